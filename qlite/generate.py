@@ -1,0 +1,155 @@
+"""Decoding: logits processing (repetition penalty, temperature, top-k, top-p), the decode loop over a
+preallocated KV cache (left-padded batches allowed), and text streaming with stop strings.
+The processing order follows HF transformers: penalty, temperature, top-k, top-p."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .errors import QliteError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy, as in llama.cpp
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "--temperature", "must be >= 0"),
+            (self.top_k >= 0, "--top-k", "must be >= 0"),
+            (0 < self.top_p <= 1, "--top-p", "must be in (0, 1]"),
+            (self.repetition_penalty > 0, "--repetition-penalty", "must be > 0"),
+            (self.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1"),
+        ]
+        for ok, flag, why in checks:
+            if not ok:
+                raise QliteError(f"{flag} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits (B, V); seen (B, V) bool, tokens already in the sequence: divide positive logits by
+    the penalty, multiply negative ones (CTRL, Keskar et al. 2019)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cum - sorted_logits.softmax(-1) >= p  # mass before this token already reaches p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) float32 -> token ids (B,)."""
+    if params.repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos_ids,
+                    pad_id: int = 0) -> Iterator[torch.Tensor]:
+    """Yield the next token of every prompt (B,) each step; a row that has ended yields pad_id.
+    Prompts of different lengths are left-padded and masked. Ends at an eos in every row, at
+    max_new_tokens, or at the model's context limit."""
+    context = model.config.max_position_embeddings
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise QliteError("empty prompt")
+    B, L = len(prompts), max(len(p) for p in prompts)
+    if L >= context:
+        raise QliteError(f"prompt is {L} tokens, the model's context is {context}")
+    capacity = min(context, L + params.max_new_tokens)
+    dev = model.device
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    key_mask = torch.zeros((B, capacity), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, L - len(p):] = torch.tensor(p)
+        key_mask[row, L - len(p):L] = True
+    ids, key_mask = ids.to(dev), key_mask.to(dev)
+    padded = not bool(key_mask[:, :L].all())
+    positions = (key_mask[:, :L].long().cumsum(-1) - 1).clamp(min=0)  # (B, L): real tokens count from 0
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros((B, model.config.vocab_size), dtype=torch.bool, device=dev)
+        seen.scatter_(1, ids, key_mask[:, :L])
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=dev).manual_seed(params.seed)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+
+    cache = model.new_cache(B, capacity)
+    logits = model(ids, cache, positions, key_mask[:, :L] if padded else None, last_only=True)
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+    for step in range(capacity - L):
+        token = next_token(logits[:, -1].float(), params, seen, generator)
+        token = token.masked_fill(finished, pad_id)
+        yield token
+        finished |= torch.isin(token, eos)
+        if step == capacity - L - 1 or bool(finished.all()):
+            return
+        if seen is not None:
+            seen.scatter_(1, token[:, None], True)
+        key_mask[:, L + step] = True
+        logits = model(token[:, None], cache, next_pos, key_mask[:, :L + step + 1] if padded else None,
+                       last_only=True)
+        next_pos = next_pos + 1
+
+
+def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids) -> Iterator[str]:
+    """Yield the completion's text as it is generated, ending before any eos or stop string."""
+    from .tokenizer import StreamDecoder
+
+    decoder = StreamDecoder(tokenizer)
+    hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may begin a stop string
+    pending = ""
+    eos_set = set(eos_ids)
+    tokens = generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=tokenizer.pad_token_id or 0)
+    ended = False
+    for token in tokens:
+        t = int(token[0])
+        if t in eos_set:
+            break
+        pending += decoder.push(t)
+        cut = min((i for i in (pending.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            pending, ended = pending[:cut], True
+            break
+        if len(pending) > hold:
+            yield pending[:len(pending) - hold]
+            pending = pending[len(pending) - hold:]
+    tokens.close()
+    if not ended:
+        pending += decoder.flush()
+        cut = min((i for i in (pending.find(s) for s in params.stop) if i >= 0), default=-1)
+        pending = pending if cut < 0 else pending[:cut]
+    if pending:
+        yield pending

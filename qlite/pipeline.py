@@ -1,0 +1,71 @@
+"""A loaded checkpoint with its tokenizer: prompt formatting and text generation in one object."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+from .config import read_json
+from .generate import SamplingParams, stream_text
+from .tokenizer import Tokenizer
+
+
+def sampling_defaults(model_dir: Path) -> dict:
+    """Sampling settings from generation_config.json; greedy unless it asks for sampling."""
+    path = model_dir / "generation_config.json"
+    gen = read_json(path) if path.exists() else {}
+    if not gen.get("do_sample"):
+        return {}
+    keys = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
+    return {k: cast(gen[k]) for k, cast in keys.items() if gen.get(k) is not None}
+
+
+def eos_token_ids(model_dir: Path, config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = set(config_eos)
+    path = model_dir / "generation_config.json"
+    gen_eos = read_json(path).get("eos_token_id") if path.exists() else None
+    ids.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+@dataclass
+class TextModel:
+    model: object
+    tokenizer: Tokenizer
+    eos_ids: tuple[int, ...]
+    defaults: dict = field(default_factory=dict)
+
+    def prompt_ids(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt; chat (default: when the checkpoint has a template) wraps it as a
+        user message after an optional system message."""
+        if chat is None:
+            chat = self.tokenizer.chat_template is not None
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                       [{"role": "user", "content": prompt}]
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(prompt)
+
+    def params(self, **overrides) -> SamplingParams:
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(SamplingParams(), **{**self.defaults, **given})
+
+    def stream(self, prompt: str, chat: bool | None = None, system: str | None = None, **sampling) -> Iterator[str]:
+        ids = self.prompt_ids(prompt, chat, system)
+        return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids)
+
+    def generate(self, prompt: str, chat: bool | None = None, system: str | None = None, **sampling) -> str:
+        return "".join(self.stream(prompt, chat, system, **sampling))
+
+
+def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto") -> TextModel:
+    """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer."""
+    from .checkpoint import load_model
+
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel)
+    tokenizer = Tokenizer(model_dir)
+    return TextModel(model, tokenizer, eos_token_ids(model_dir, model.config.eos_token_ids, tokenizer),
+                     sampling_defaults(model_dir))

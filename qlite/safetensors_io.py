@@ -1,0 +1,155 @@
+"""Streaming safetensors output and checkpoint-directory plumbing.
+
+The `safetensors` package writes a file from a dict held wholly in memory; qlite writes one tensor
+at a time instead (the header needs only names, dtypes and shapes, known up front), so converting a
+model never holds more than one tensor. Reading is left to `safetensors.safe_open`.
+Format: 8-byte little-endian header length, JSON header, then the raw tensor bytes in order.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import QliteError
+
+DTYPE_NAMES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SafetensorsWriter:
+    """Writes the tensors of `specs`, in that order, to one safetensors file, one call at a time."""
+
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for s in specs:
+            header[s.name] = {"dtype": DTYPE_NAMES[s.dtype], "shape": list(s.shape),
+                              "data_offsets": [offset, offset + s.nbytes]}
+            offset += s.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        self._specs = iter(specs)
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = next(self._specs, None)
+        if spec is None or spec.name != name or spec.dtype != tensor.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} does not match the plan {spec}")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+
+    def close(self) -> None:
+        left = next(self._specs, None)
+        self._file.close()
+        if left is not None:
+            raise ValueError(f"tensor {left.name} was planned but never written")
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Split tensors, in order, into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def shard_file_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_sharded(out_dir: Path, specs: list[TensorSpec], tensors, max_shard_bytes: int = 2 << 30,
+                  metadata: dict[str, str] | None = None, progress=None) -> list[str]:
+    """Write `tensors` (an iterable of (name, tensor) in the order of `specs`) as one or more shards
+    and, if more than one, the index. Returns the file names written."""
+    shards = plan_shards(specs, max_shard_bytes)
+    names = shard_file_names(len(shards))
+    it = iter(tensors)
+    for shard, fname in zip(shards, names):
+        writer = SafetensorsWriter(out_dir / fname, shard, metadata)
+        for _ in shard:
+            name, t = next(it)
+            writer.write(name, t)
+            if progress is not None:
+                progress(name)
+        writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                 "weight_map": {s.name: fname for shard, fname in zip(shards, names) for s in shard}}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return names
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: those its index names, or model.safetensors."""
+    index = model_dir / INDEX_NAME
+    if index.exists():
+        from .config import read_json
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise QliteError(f"{index}: no weight_map")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (model_dir / f).exists():
+                raise QliteError(f"{model_dir / f}: named by {INDEX_NAME} but missing")
+        return [model_dir / f for f in files]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+        raise QliteError(f"{model_dir}: only pickle weights (.bin/.pt) found; qlite loads safetensors only")
+    raise QliteError(f"{model_dir}: no model.safetensors or {INDEX_NAME}")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: Path, force: bool = False):
+    """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed."""
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise QliteError(f"{dst}: already exists (use --force to replace it)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
+    try:
+        yield tmp
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

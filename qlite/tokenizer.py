@@ -1,0 +1,122 @@
+"""Tokenizer (HF `tokenizers`), chat template rendered in a Jinja sandbox, streaming detokenizer."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .config import read_json
+from .errors import QliteError
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise QliteError(f"{path}: not found")
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise QliteError(f"{path}: unreadable tokenizer ({e})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = read_json(cfg_path) if cfg_path.exists() else {}
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.pad_token = _token_text(cfg.get("pad_token"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text(encoding="utf-8")
+        self.chat_template: str | None = template
+        self._compiled = None
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.tok.token_to_id(text)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_id(self.pad_token)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the checkpoint's chat template. Templates come from strangers: the environment is
+        Jinja's immutable sandbox, which refuses attribute tricks and mutation of arguments."""
+        if self.chat_template is None:
+            raise QliteError("this checkpoint has no chat template (use --raw)")
+        if self._compiled is None:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+
+            def raise_exception(message):
+                raise TemplateError(message)
+
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise QliteError(f"chat template does not compile: {e}") from None
+        from jinja2 import TemplateError
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **kwargs)
+        except TemplateError as e:
+            raise QliteError(f"chat template failed: {e}") from None
+
+
+class StreamDecoder:
+    """Turns token ids, pushed one at a time, into text pieces; never emits half of a multi-byte
+    character (a byte-level decode of an incomplete UTF-8 sequence ends in U+FFFD: wait for more)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # ids before this are fully emitted
+        self.read = 0  # ids in [prefix, read) decode to text already emitted
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        done = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
