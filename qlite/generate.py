@@ -4,7 +4,7 @@ The processing order follows HF transformers: penalty, temperature, top-k, top-p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -124,32 +124,40 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
         next_pos = next_pos + 1
 
 
-def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids) -> Iterator[str]:
-    """Yield the completion's text as it is generated, ending before any eos or stop string."""
+def detokenize(tokens: Iterable[int], tokenizer, eos_ids, stop: tuple[str, ...] = ()) -> Iterator[str]:
+    """Text pieces for a stream of token ids, ending before the first eos or stop string. Text that
+    could be the start of a stop string is held back until it is known not to be."""
     from .tokenizer import StreamDecoder
 
     decoder = StreamDecoder(tokenizer)
-    hold = max((len(s) for s in params.stop), default=1) - 1  # chars that may begin a stop string
+    hold = max((len(s) for s in stop), default=1) - 1
     pending = ""
     eos_set = set(eos_ids)
-    tokens = generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=tokenizer.pad_token_id or 0)
-    ended = False
-    for token in tokens:
-        t = int(token[0])
+
+    def stop_at(text: str) -> int:
+        return min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+
+    for t in tokens:
         if t in eos_set:
             break
         pending += decoder.push(t)
-        cut = min((i for i in (pending.find(s) for s in params.stop) if i >= 0), default=-1)
+        cut = stop_at(pending)
         if cut >= 0:
-            pending, ended = pending[:cut], True
-            break
+            if cut:
+                yield pending[:cut]
+            return
         if len(pending) > hold:
             yield pending[:len(pending) - hold]
             pending = pending[len(pending) - hold:]
-    tokens.close()
-    if not ended:
-        pending += decoder.flush()
-        cut = min((i for i in (pending.find(s) for s in params.stop) if i >= 0), default=-1)
-        pending = pending if cut < 0 else pending[:cut]
+    pending += decoder.flush()
+    cut = stop_at(pending)
+    pending = pending if cut < 0 else pending[:cut]
     if pending:
         yield pending
+
+
+def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids) -> Iterator[str]:
+    """Yield the completion's text as it is generated, ending before any eos or stop string."""
+    pad = tokenizer.pad_token_id or 0
+    tokens = (int(t[0]) for t in generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=pad))
+    return detokenize(tokens, tokenizer, eos_ids, params.stop)

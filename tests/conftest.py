@@ -16,3 +16,16 @@ def tiny_variant(request, tmp_path_factory) -> tuple[str, Path]:
     name = request.param
     return name, make_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", **CONFIGS[name])
 
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    """The real demo model (Qwen2.5-Coder-0.5B-Instruct from its GGUF), fetched once and cached."""
+    from qlite.demo import default_demo_dir, fetch_demo
+    return fetch_demo(default_demo_dir())
+
+
+@pytest.fixture(scope="session")
+def demo_gguf(demo_dir) -> Path:
+    from qlite.demo import fetch_gguf
+    return fetch_gguf()

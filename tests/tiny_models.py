@@ -67,3 +67,22 @@ def make_checkpoint(path: Path, seed: int = 0, max_shard_size: str | None = None
 def hf_model(path: Path):
     from transformers import Qwen2ForCausalLM
     return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+PRIME_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def check_prime_code(completion: str) -> None:
+    """Extract the first Python code block of a completion, run it in a fresh interpreter, and
+    assert its function answers 1, 2, 15, 17, 97 correctly."""
+    import re
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```(?:python)?\n(.*?)```", completion, re.S)
+    assert blocks, f"no code block in:\n{completion}"
+    name = re.search(r"def (\w+)\(", blocks[0])
+    assert name, f"no function in:\n{blocks[0]}"
+    probe = blocks[0] + f"\nprint([bool({name.group(1)}(n)) for n in (1, 2, 15, 17, 97)])\n"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "[False, True, False, True, True]", f"{r.stdout}{r.stderr}\n{completion}"

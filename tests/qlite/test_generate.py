@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from qlite.checkpoint import load_model
+from qlite.errors import QliteError
+from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_top_k, filter_top_p,
+                            detokenize, generate_tokens, next_token, stream_text)
+from qlite.tokenizer import Tokenizer
+
+NEG = float("-inf")
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    assert filter_top_k(logits, 2).tolist() == [[NEG, 4.0, 3.0, NEG]]
+    assert torch.equal(filter_top_k(logits, 0), logits)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
+    logits = probs.log()
+    kept = lambda p: torch.isfinite(filter_top_p(logits, p))[0].tolist()
+    assert kept(0.5) == [True, False, False, False]
+    assert kept(0.6) == [True, True, False, False]
+    assert kept(0.9) == [True, True, True, False]
+    assert kept(1.0) == [True, True, True, True]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, True, False]])
+    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -4.0, 1.0]]
+
+
+def test_sampling_follows_the_distribution_and_the_seed():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(20000, 3)
+    params = SamplingParams(temperature=1.0, seed=0)
+    draw = lambda: next_token(logits, params, None, torch.Generator().manual_seed(0))
+    a, b = draw(), draw()
+    assert torch.equal(a, b)
+    freq = torch.bincount(a, minlength=3).float() / len(a)
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.02)
+    hot = next_token(logits, SamplingParams(temperature=100.0), None, torch.Generator().manual_seed(0))
+    assert (torch.bincount(hot, minlength=3).float() / len(hot)).min() > 0.3  # near uniform
+
+
+@pytest.mark.parametrize("kwargs, flag", [(dict(temperature=-1), "--temperature"), (dict(top_p=0), "--top-p"),
+                                          (dict(top_k=-2), "--top-k"), (dict(max_new_tokens=0), "--max-new-tokens")])
+def test_bad_sampling_flags_are_named(kwargs, flag):
+    with pytest.raises(QliteError, match=flag):
+        SamplingParams(**kwargs)
+
+
+def test_stops_at_eos_max_tokens_and_context(tiny_ckpt):
+    model = load_model(tiny_ckpt, dtype="float32")
+    prompt = [10, 20, 30]
+    free = [int(t[0]) for t in generate_tokens(model, [prompt], SamplingParams(max_new_tokens=8), eos_ids=())]
+    assert len(free) == 8
+    stopped = [int(t[0]) for t in generate_tokens(model, [prompt], SamplingParams(max_new_tokens=8),
+                                                  eos_ids=(free[3],))]
+    assert stopped == free[:free.index(free[3]) + 1]
+    ctx = model.config.max_position_embeddings
+    long_prompt = [5] * (ctx - 4)
+    out = list(generate_tokens(model, [long_prompt], SamplingParams(max_new_tokens=100), eos_ids=()))
+    assert len(out) == 4
+    with pytest.raises(QliteError, match=f"prompt is {ctx} tokens, the model's context is {ctx}"):
+        next(generate_tokens(model, [[5] * ctx], SamplingParams(), eos_ids=()))
+
+
+def test_detokenize_ends_at_eos_and_before_stop_strings(tiny_ckpt):
+    tok = Tokenizer(tiny_ckpt)
+    text = "the thin tin ends here. ignored"
+    ids = tok.encode(text)
+    eos = tok.token_id("<|im_end|>")
+    assert "".join(detokenize(ids + [eos] + ids, tok, eos_ids=(eos,))) == text
+    pieces = list(detokenize(ids, tok, eos_ids=(eos,), stop=("here.", "zzz")))
+    assert "".join(pieces) == "the thin tin ends "
+    assert "".join(detokenize(ids, tok, eos_ids=(), stop=("the",))) == ""
+
+
+def test_stream_text_is_the_decoded_greedy_tokens(tiny_ckpt):
+    model, tok = load_model(tiny_ckpt, dtype="float32"), Tokenizer(tiny_ckpt)
+    prompt = tok.encode("the thin tin")
+    params = SamplingParams(max_new_tokens=12)
+    ids = [int(t[0]) for t in generate_tokens(model, [prompt], params, eos_ids=())]
+    text = "".join(stream_text(model, tok, prompt, params, eos_ids=()))
+    assert text == tok.decode(ids, skip_special_tokens=True)
