@@ -93,8 +93,14 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     if cfg.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):  # shared with the embedding
         expected.pop("lm_head.weight", None)
 
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+
     def convert(name, t):
-        return t.to(device=dev, dtype=float_dtype if t.is_floating_point() else t.dtype)
+        # Parameters take the run dtype; quantized buffers keep their stored one. A tensor that needs
+        # no conversion is copied out of the file mapping anyway: an mmap-backed tensor would keep
+        # the whole file mapped, and the pages read for converted tensors resident with it.
+        out = t.to(device=dev, dtype=float_dtype if name in params else t.dtype)
+        return out.clone() if out is t else out
 
     state = dict(read_tensors(model_dir, expected, convert))
     model.load_state_dict(state, assign=True, strict=False)
@@ -103,4 +109,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     if quantized:
         from .qlinear import prepare_for_kernel
         prepare_for_kernel(model, kernel=kernel, dtype=float_dtype)
+    release_freed_memory()
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap that loading freed (conversion and repacking temporaries) back to the OS;
+    glibc keeps it otherwise, and it would show as resident memory for the life of the process."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -79,6 +79,43 @@ def info(model_dir):
     click.echo(describe(model_dir))
 
 
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<format>)")
+@click.option("--bits", type=int, default=4, show_default=True, help="4 or 8")
+@click.option("--group-size", type=int, default=None,
+              help="weights per scale along the input; int4 default 128, int8 default per output channel")
+@click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
+@click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
+@click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]), default="8", show_default=True)
+@click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
+@click.option("--force", is_flag=True, help="replace --out if it exists")
+def quantize(src, out, bits, group_size, symmetric, skip, lm_head_bits, max_shard_size, force):
+    """Quantize a 16-bit checkpoint dir to int8 or int4 (round to nearest), streaming tensor by tensor."""
+    from quantize.convert import convert
+
+    if group_size is None and bits == 4:
+        group_size = 128
+    summary = convert(src, out, bits=bits, group_size=group_size, symmetric=symmetric,
+                      skip=tuple(s.strip() for s in skip.split(",") if s.strip()), lm_head_bits=int(lm_head_bits),
+                      force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+    click.echo(str(summary))
+
+
+def parse_size(text: str, flag: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise QliteError(f"{flag} {text}: not a size (like 500MB or 2GB)")
+
+
 @cli.command("import-gguf")
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))

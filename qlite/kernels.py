@@ -1,0 +1,99 @@
+"""Dequant-matmul kernels for QuantLinear.
+
+- reference: dequantize the whole weight, then F.linear. Exact and slow; what tests compare against.
+- aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (they are 10-70x slower fed
+  float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
+  (weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
+A kernel's `prepare` replaces the canonical buffers by its own (so memory holds one copy)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats import unpack_int4
+
+
+def _bias(y: torch.Tensor, layer) -> torch.Tensor:
+    return y if layer.bias is None else y + layer.bias.to(y.dtype)
+
+
+class Reference:
+    name = "reference"
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return True
+
+    @staticmethod
+    def prepare(layer) -> None:
+        pass
+
+    @staticmethod
+    def forward(layer, x):
+        return F.linear(x, layer.dequantize().to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+
+
+class AtenInt8:
+    name = "aten-int8"
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return layer.fmt.bits == 8 and layer.fmt.group_size is None and layer.qweight.device.type == "cpu"
+
+    @staticmethod
+    def prepare(layer) -> None:
+        scales = layer.scales[:, 0].to(torch.bfloat16)  # (N,)
+        del layer.scales
+        layer.register_buffer("scales", scales, persistent=False)
+
+    @staticmethod
+    def forward(layer, x):
+        x2 = x.reshape(-1, layer.in_features).to(torch.bfloat16)  # (B*T, K)
+        y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)
+        return _bias(y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features), layer)
+
+
+class AtenInt4:
+    name = "aten-int4"
+    GROUP_SIZES = (32, 64, 128, 256)
+    INNER_K_TILES = 2
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return (layer.fmt.bits == 4 and layer.fmt.group_size in AtenInt4.GROUP_SIZES
+                and layer.in_features % 64 == 0 and layer.qweight.device.type == "cpu"
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+    @staticmethod
+    def prepare(layer) -> None:
+        N, K = layer.out_features, layer.in_features
+        pad = -N % 16  # the kernel packs rows in tiles of 16: pad with zero rows, slice them off after
+        codes = F.pad(unpack_int4(layer.qweight, K).to(torch.int32), (0, 0, 0, pad))  # (N + pad, K)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, AtenInt4.INNER_K_TILES)
+        # canonical w = (q - z) * s; the kernel computes (q - 8) * s + zero, so zero = (8 - z) * s
+        s, z = layer.scales.float(), layer.zeros.float()
+        scales_zeros = torch.stack([s, (8 - z) * s], dim=-1)  # (N, groups, 2)
+        scales_zeros = F.pad(scales_zeros, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous()  # (groups, N + pad, 2)
+        for name in ("qweight", "scales", "zeros"):
+            delattr(layer, name)
+        layer.register_buffer("packed", packed, persistent=False)
+        layer.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16), persistent=False)
+
+    @staticmethod
+    def forward(layer, x):
+        x2 = x.reshape(-1, layer.in_features).to(torch.bfloat16)  # (B*T, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.packed, layer.fmt.group_size, layer.scales_zeros)
+        y = y[:, :layer.out_features].to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+        return _bias(y, layer)
+
+
+KERNELS = {"reference": [Reference], "aten": [AtenInt8, AtenInt4], "auto": [AtenInt8, AtenInt4, Reference]}
+
+
+def choose_kernel(layer, kernel: str):
+    """The first kernel of the named backend that can run this layer, or None."""
+    from .errors import QliteError
+
+    if kernel not in KERNELS:
+        raise QliteError(f"--kernel {kernel}: choose {', '.join(KERNELS)}")
+    return next((k for k in KERNELS[kernel] if k.supports(layer)), None)

@@ -1,0 +1,60 @@
+"""Process memory readings (Linux /proc; elsewhere what resource offers)."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident memory now (anonymous plus mapped file pages)."""
+    kib = _status_kib("VmRSS")
+    return 0 if kib is None else kib * 1024
+
+
+def anon_rss_bytes() -> int:
+    """Resident anonymous memory now: the process's own allocations, not mmap'd file pages."""
+    kib = _status_kib("RssAnon")
+    return rss_bytes() if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory (VmHWM), mapped file pages included."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return kib * 1024
+
+
+class PeakAnonSampler:
+    """Samples anonymous RSS every few milliseconds in a thread while the `with` block runs."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s, self.peak = interval_s, 0
+        self._stop = threading.Event()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, anon_rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self.peak = anon_rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anon_rss_bytes())
