@@ -58,6 +58,9 @@ class Qwen2Config:
             quantization_config=d.get("quantization_config"),
         )
         cfg.validate(source)
+        if cfg.quantization_config is not None:
+            from .formats import parse_quantization_config
+            parse_quantization_config(cfg.quantization_config, source)
         return cfg
 
     def validate(self, source: str) -> None:

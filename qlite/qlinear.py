@@ -43,7 +43,7 @@ def linear_modules(model: nn.Module):
 
 def swap_quantized_modules(model: nn.Module, qconfig: dict, source: str) -> None:
     """Replace each nn.Linear that the quantization config names by a QuantLinear (on the meta device)."""
-    q = parse_quantization_config(qconfig, source)
+    q = parse_quantization_config(qconfig, source)  # validated with the config already; cheap
     for name, parent, attr, lin in list(linear_modules(model)):
         fmt = module_format(q, name)
         if fmt is None:

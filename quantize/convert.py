@@ -112,6 +112,8 @@ def convert(src: str | Path, out: str | Path | None = None, bits: int = 4, group
     out = Path(out) if out is not None else default_out_dir(src, qcfg)
     if out.resolve() == src or src in out.resolve().parents:
         raise QliteError(f"--out {out}: must not be SRC or inside it")
+    if out.exists() and not force:
+        raise QliteError(f"{out}: already exists (use --force to replace it)")
 
     source = read_source_tensors(src)
     expected = expected_names(cfg)

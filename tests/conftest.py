@@ -29,3 +29,17 @@ def demo_dir() -> Path:
 def demo_gguf(demo_dir) -> Path:
     from qlite.demo import fetch_gguf
     return fetch_gguf()
+
+
+@pytest.fixture(scope="session")
+def demo_int8(demo_dir, tmp_path_factory) -> Path:
+    from quantize.convert import convert
+    return convert(demo_dir, tmp_path_factory.mktemp("demo") / "int8", bits=8, group_size=None,
+                   progress=False).out_dir
+
+
+@pytest.fixture(scope="session")
+def demo_int4(demo_dir, tmp_path_factory) -> Path:
+    from quantize.convert import convert
+    return convert(demo_dir, tmp_path_factory.mktemp("demo") / "int4-g128", bits=4, group_size=128,
+                   progress=False).out_dir

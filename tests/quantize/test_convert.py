@@ -1,0 +1,207 @@
+"""Checkpoint -> quantized checkpoint -> load, against a float model holding the dequantized weights."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qlite.checkpoint import load_model
+from qlite.cli import main
+from qlite.errors import QliteError
+from qlite.formats import module_format
+from qlite.qlinear import QuantLinear
+from quantize.convert import convert, quantize_weight
+from tiny_models import make_checkpoint
+
+QDIMS = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qsrc") / "ckpt", seed=5, **QDIMS)
+
+
+@pytest.fixture(scope="module")
+def tied_src(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qtied") / "ckpt", seed=6, tie_word_embeddings=True, **QDIMS)
+
+
+def dir_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        h.update(f.name.encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def dequantized_twin(quantized_dir: Path, src_dir: Path):
+    """The float32 source model with every quantized linear replaced by its dequantized weight."""
+    q = load_model(quantized_dir, dtype="float32", kernel="reference")
+    twin = load_model(src_dir, dtype="float32")
+    twin_modules = dict(twin.named_modules())
+    for name, mod in q.named_modules():
+        if isinstance(mod, QuantLinear):
+            target = twin_modules[name]
+            if name == "lm_head" and twin.config.tie_word_embeddings:
+                target = twin.lm_head = torch.nn.Linear(mod.in_features, mod.out_features, bias=False)
+            target.weight = torch.nn.Parameter(mod.dequantize())
+    return q, twin
+
+
+@pytest.mark.parametrize("bits, group, sym, head", [(8, None, True, 8), (4, 64, False, 8), (4, 32, True, 4),
+                                                    (4, 64, False, 16), (8, 64, True, 16)])
+def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group, sym, head):
+    out = convert(src, tmp_path / "q", bits=bits, group_size=group, symmetric=sym, lm_head_bits=head,
+                  progress=False).out_dir
+    q, twin = dequantized_twin(out, src)
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = twin(ids)
+        assert (q(ids) - expected).abs().max() <= 1e-4  # reference kernel: float rounding only
+        fast = load_model(out, dtype="bfloat16")(ids).float()  # the default (fast) kernels
+    assert ((fast - expected).norm() / expected.norm()) <= 0.03
+    assert isinstance(q.lm_head, QuantLinear) == (head != 16)
+
+
+def test_saved_tensors_reload_bit_identical(src, tmp_path):
+    out = convert(src, tmp_path / "q", bits=4, group_size=64, progress=False).out_dir
+    stored = load_file(out / "model.safetensors")
+    source = load_file(src / "model.safetensors")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    for name, w in source.items():
+        module = name.removesuffix(".weight")
+        fmt = module_format(qcfg, module) if name.endswith(".weight") and w.ndim == 2 else None
+        if fmt is None:
+            assert torch.equal(stored[name], w)
+        else:
+            for suffix, t in quantize_weight(w, fmt).items():
+                assert torch.equal(stored[f"{module}.{suffix}"], t), f"{module}.{suffix}"
+    again = convert(src, tmp_path / "q2", bits=4, group_size=64, progress=False).out_dir
+    assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    model = load_model(out, kernel="reference")
+    layer = model.model.layers[1].mlp.down_proj
+    assert torch.equal(layer.qweight, stored["model.layers.1.mlp.down_proj.qweight"])
+
+
+def test_tied_embeddings_get_an_own_quantized_head(tied_src, tmp_path):
+    out = convert(tied_src, tmp_path / "q", bits=8, group_size=None, progress=False).out_dir
+    stored = load_file(out / "model.safetensors")
+    source = load_file(tied_src / "model.safetensors")
+    assert "lm_head.qweight" in stored and "lm_head.weight" not in source
+    assert torch.equal(stored["model.embed_tokens.weight"], source["model.embed_tokens.weight"])  # not quantized
+    q, twin = dequantized_twin(out, tied_src)
+    ids = torch.randint(0, 500, (1, 7))
+    with torch.no_grad():
+        assert (q(ids) - twin(ids)).abs().max() <= 1e-4
+
+
+def test_sharded_output_and_defaults(src, tmp_path):
+    import shutil
+    local = tmp_path / "ckpt"
+    shutil.copytree(src, local)
+    summary = convert(local, bits=4, group_size=64, max_shard_bytes=100_000, progress=False)
+    assert summary.out_dir == tmp_path / "ckpt-int4-g64"
+    assert (summary.out_dir / "model.safetensors.index.json").exists()
+    assert (summary.out_dir / "tokenizer.json").exists() and (summary.out_dir / "generation_config.json").exists()
+    assert summary.bytes_after < summary.bytes_before / 2.5
+    assert summary.linear_bits_per_weight == pytest.approx(4 + 24 / 64)
+    load_model(summary.out_dir)
+
+
+def run_cli(capsys, *args):
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "3"], "--bits 3"),
+    (["--group-size", "0"], "--group-size 0"),
+    (["--group-size", "100"], "--group-size 100 does not divide"),
+    (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
+])
+def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):
+    before = dir_digest(src)
+    code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst", *args)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and message in err
+    assert dir_digest(src) == before and list(tmp_path.iterdir()) == []
+
+
+def test_existing_destination_needs_force(capsys, src, tmp_path):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst")
+    assert code != 0 and "already exists (use --force" in err
+    assert (tmp_path / "dst" / "keep.txt").read_text() == "mine"
+    assert run_cli(capsys, "quantize", src, "--out", tmp_path / "dst", "--group-size", "64", "--force")[0] == 0
+    assert not (tmp_path / "dst" / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+def test_source_missing_a_tensor(capsys, src, tmp_path):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.bias"]
+    save_file(tensors, broken / "model.safetensors")
+    before = dir_digest(broken)
+    code, err = run_cli(capsys, "quantize", broken, "--out", tmp_path / "dst")
+    assert code != 0 and "missing tensor model.layers.0.self_attn.k_proj.bias" in err
+    assert dir_digest(broken) == before and not (tmp_path / "dst").exists()
+
+
+def test_already_quantized_source_is_refused(src, tmp_path):
+    out = convert(src, tmp_path / "q", bits=8, group_size=None, progress=False).out_dir
+    with pytest.raises(QliteError, match="already quantized"):
+        convert(out, tmp_path / "qq", bits=4)
+
+
+def test_unknown_format_version_is_a_clear_error(capsys, src, tmp_path):
+    out = convert(src, tmp_path / "q", bits=8, group_size=None, progress=False).out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 99
+    (out / "config.json").write_text(json.dumps(cfg))
+    code, err = run_cli(capsys, "generate", "-m", out, "-p", "hi")
+    assert code != 0 and "format_version 99 is unknown" in err
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert "quantization method 'awq'" in run_cli(capsys, "info", out)[1]
+
+
+def test_interrupt_mid_run_leaves_source_intact_and_no_output(tmp_path):
+    """SIGINT while shards are being written: exit 130, one line, SRC unchanged, no DST or temp dir."""
+    big = tmp_path / "big"
+    big.mkdir()
+    n_layers, h, inter = 40, 512, 1536
+    config = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": h, "intermediate_size": inter,
+              "num_hidden_layers": n_layers, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "tie_word_embeddings": False}
+    (big / "config.json").write_text(json.dumps(config))
+    from qlite.model import Qwen2ForCausalLM
+    from qlite.config import Qwen2Config
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Qwen2ForCausalLM(Qwen2Config.from_dict(config)).state_dict().items()}
+    save_file({k: torch.randn(s).half() for k, s in shapes.items()}, big / "model.safetensors")
+    before = dir_digest(big)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "qlite", "quantize", str(big), "--out", str(out),
+                             "--max-shard-size", "2MB"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(tmp_path.glob(".out.tmp-*/model-00002-*")):
+        time.sleep(0.01)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    assert "Traceback" not in err
+    assert dir_digest(big) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
