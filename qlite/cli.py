@@ -116,6 +116,24 @@ def parse_size(text: str, flag: str) -> int:
     raise QliteError(f"{flag} {text}: not a size (like 500MB or 2GB)")
 
 
+@cli.command("eval")
+@click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--baseline", required=True, type=click.Path(path_type=Path), help="the 16-bit checkpoint dir")
+@click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
+              help="code, prose (built in, offline) or a text file; repeatable")
+@click.option("--ctx", type=int, default=512, show_default=True, help="tokens per chunk")
+@click.option("--max-chunks", type=int, help="at most this many chunks per data source")
+@click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
+def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, dtype, json_path, md_path):
+    """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline."""
+    from eval.run import evaluate, write_reports
+
+    rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype)
+    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path))
+
+
 @cli.command("import-gguf")
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))

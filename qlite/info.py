@@ -1,6 +1,8 @@
 """`qlite info`: what a checkpoint dir holds, read from config and safetensors headers only."""
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -8,27 +10,36 @@ from .config import load_config
 from .errors import QliteError
 from .safetensors_io import checkpoint_files
 
+DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(weight|qweight|scales|zeros|bias)")
 
-def tensor_table(model_dir: Path) -> tuple[Counter, Counter]:
-    """(bytes by dtype, element count by dtype) over every tensor, reading headers only."""
+
+def tensor_headers(model_dir: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor, from the file headers alone."""
     from safetensors import SafetensorError, safe_open
 
-    nbytes, numel = Counter(), Counter()
+    out = []
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     sl = f.get_slice(name)
-                    count = 1
-                    for d in sl.get_shape():
-                        count *= d
-                    dtype = sl.get_dtype()
-                    numel[dtype] += count
-                    nbytes[dtype] += count * {"F64": 8, "F32": 4, "I32": 4, "I64": 8, "F16": 2, "BF16": 2,
-                                              "I16": 2}.get(dtype, 1)
+                    out.append((name, sl.get_dtype(), tuple(sl.get_shape())))
         except SafetensorError as e:
             raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
-    return nbytes, numel
+    return out
+
+
+def nbytes(dtype: str, shape) -> int:
+    return math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+
+
+def decoder_linear_bits_per_weight(cfg, headers) -> float:
+    """Stored bits (codes, scales, zero points; not biases) per weight of the decoder's linears."""
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    weights = cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+    stored = sum(nbytes(d, s) for n, d, s in headers if DECODER_LINEAR.fullmatch(n) and not n.endswith(".bias"))
+    return 8 * stored / weights
 
 
 def logical_parameters(cfg) -> int:
@@ -39,12 +50,22 @@ def logical_parameters(cfg) -> int:
     return cfg.vocab_size * h + cfg.num_hidden_layers * per_layer + h + head
 
 
+def format_name(cfg) -> str:
+    if cfg.quantization_config is None:
+        return (cfg.torch_dtype or "16-bit").replace("float", "fp").replace("bfp16", "bf16")
+    from .formats import describe_quantization
+    return describe_quantization(cfg.quantization_config).split(" (format")[0]
+
+
 def describe(model_dir: str | Path) -> str:
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    nbytes, _ = tensor_table(model_dir)
+    headers = tensor_headers(model_dir)
+    by_dtype = Counter()
+    for _, d, s in headers:
+        by_dtype[d] += nbytes(d, s)
     params = logical_parameters(cfg)
-    total = sum(nbytes.values())
+    total = sum(by_dtype.values())
     lines = [
         f"checkpoint     {model_dir}",
         f"architecture   qwen2, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -55,12 +76,8 @@ def describe(model_dir: str | Path) -> str:
         f"parameters     {params:,} ({params / 1e9:.3f} B)",
         f"tensor bytes   {total:,} ({total / 2**20:.1f} MiB), {8 * total / params:.2f} bits per parameter",
     ]
-    for dtype, b in sorted(nbytes.items(), key=lambda kv: -kv[1]):
+    for dtype, b in sorted(by_dtype.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {dtype:<6} {b:>16,} bytes")
-    q = cfg.quantization_config
-    if q:
-        from .formats import describe_quantization
-        lines.append(f"quantization   {describe_quantization(q)}")
-    else:
-        lines.append("quantization   none")
+    lines.append(f"format         {format_name(cfg)}")
+    lines.append(f"decoder linears {decoder_linear_bits_per_weight(cfg, headers):.3f} bits per weight")
     return "\n".join(lines)

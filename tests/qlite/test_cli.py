@@ -36,7 +36,7 @@ def test_generate_and_info_work(capsys, tiny_ckpt):
     code, out, _ = run_cli(capsys, "generate", "-m", tiny_ckpt, "-p", "the thin tin", "--max-new-tokens", 5)
     assert code == 0
     code, out, _ = run_cli(capsys, "info", tiny_ckpt)
-    assert code == 0 and "qwen2, 2 layers" in out and "quantization   none" in out
+    assert code == 0 and "qwen2, 2 layers" in out and "bits per weight" in out
 
 
 def test_missing_config(capsys, ckpt_copy):

@@ -1,0 +1,112 @@
+"""Models against a baseline on the same tokens, chunk by chunk: the baseline's log-probabilities for
+a chunk are computed once, compared with every model's, then dropped (no logits file; the
+vocabulary is 151936 wide). Tables as Markdown and JSON."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from qlite.checkpoint import load_model
+from qlite.config import load_config
+from qlite.errors import QliteError
+from qlite.info import decoder_linear_bits_per_weight, format_name, tensor_headers
+from qlite.safetensors_io import checkpoint_files
+from qlite.tokenizer import Tokenizer
+
+from .data import chunk_tokens, load_text
+from .metrics import Fidelity, token_stats
+
+SCORING = "every token after the first of each chunk is scored"
+
+
+@dataclass
+class Row:
+    model: str
+    format: str
+    bits_per_weight: float
+    size_mib: float
+    data: str
+    metrics: dict
+
+
+def describe_model(model_dir: Path) -> tuple[str, float, float]:
+    """(format, decoder-linear bits per weight, size on disk in MiB)."""
+    cfg = load_config(model_dir)
+    bpw = decoder_linear_bits_per_weight(cfg, tensor_headers(model_dir))
+    size = sum(f.stat().st_size for f in checkpoint_files(model_dir)) / 2**20
+    return format_name(cfg), bpw, size
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+@torch.inference_mode()
+def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_chunks: int | None = None,
+             dtype: str = "auto", baseline_dtype: str = "float32", progress: bool = True) -> list[Row]:
+    from tqdm import tqdm
+
+    baseline = Path(baseline)
+    model_dirs = [Path(d) for d in model_dirs]
+    tokenizer = Tokenizer(baseline)
+    base_cfg = load_config(baseline)
+    if ctx > base_cfg.max_position_embeddings:
+        raise QliteError(f"--ctx {ctx}: longer than the model's context {base_cfg.max_position_embeddings}")
+    for d in model_dirs:
+        cfg = load_config(d)
+        if cfg.vocab_size != base_cfg.vocab_size or \
+                _file_hash(d / "tokenizer.json") != _file_hash(baseline / "tokenizer.json"):
+            raise QliteError(f"{d}: its tokenizer differs from the baseline's ({baseline}); "
+                             "the models must score the same tokens")
+    base = load_model(baseline, dtype=baseline_dtype)
+    models = [(d, load_model(d, dtype=dtype)) for d in model_dirs]
+    rows = []
+    for source in data:
+        chunks = chunk_tokens(tokenizer.encode(load_text(source)), ctx, max_chunks)
+        fidelity = {d: Fidelity() for d in model_dirs}
+        for chunk in tqdm(chunks, desc=f"eval {source}", unit="chunk", disable=not progress):
+            ids = torch.tensor([chunk])
+            targets = ids[0, 1:]
+            base_logp = torch.log_softmax(base(ids)[0, :-1].float(), dim=-1)  # (ctx-1, V)
+            for d, model in models:
+                fidelity[d].add(token_stats(base_logp, model(ids)[0, :-1], targets))
+            del base_logp
+        for d in model_dirs:
+            fmt, bpw, size = describe_model(d)
+            rows.append(Row(d.name, fmt, bpw, size, source, fidelity[d].summary()))
+    return rows
+
+
+def markdown_table(rows: list[Row], baseline: str, ctx: int) -> str:
+    head = ("| model | format | bits/w | MiB | data | tokens | PPL | PPL base | PPL ratio | mean KLD "
+            "| KLD p50 | p90 | p95 | p99 | p99.9 | top-1 | mean Δp | RMS Δp |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        m = r.metrics
+        lines.append(
+            f"| {r.model} | {r.format} | {r.bits_per_weight:.2f} | {r.size_mib:.0f} | {r.data} | {m['tokens']} "
+            f"| {m['ppl']:.4f} | {m['base_ppl']:.4f} | {m['ppl_ratio']:.4f} ± {m['ppl_ratio_err']:.4f} "
+            f"| {m['kld_mean']:.5f} ± {m['kld_mean_err']:.5f} | {m['kld_p50']:.5f} | {m['kld_p90']:.4f} "
+            f"| {m['kld_p95']:.4f} | {m['kld_p99']:.4f} | {m['kld_p99.9']:.4f} | {100 * m['top1']:.2f}% "
+            f"| {100 * m['dp_mean']:+.3f}% | {100 * m['dp_rms']:.3f}% |")
+    lines.append("")
+    lines.append(f"Baseline {baseline} (float32 activations); models run with their default kernels. "
+                 f"Chunks of {ctx} tokens; {SCORING}. KLD is KL(baseline || model) per token, in nats; "
+                 "bits/w counts the decoder's linear layers (scales and zero points included).")
+    return "\n".join(lines)
+
+
+def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | None, md_path: Path | None) -> str:
+    table = markdown_table(rows, baseline, ctx)
+    if json_path:
+        json_path.write_text(json.dumps({"baseline": baseline, "ctx": ctx, "scoring": SCORING,
+                                         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                         "rows": [asdict(r) for r in rows]}, indent=2))
+    if md_path:
+        md_path.write_text(table + "\n")
+    return table
