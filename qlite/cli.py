@@ -87,18 +87,21 @@ def info(model_dir):
               help="weights per scale along the input; int4 default 128, int8 default per output channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
-@click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]), default="8", show_default=True)
+@click.option("--format", "scheme", type=click.Choice(["int", "nf4", "bnb-int8"]), default="int", show_default=True,
+              help="qlite's integer formats, or bitsandbytes' NF4 / LLM.int8 for comparison")
+@click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]), help="default 8 (16 for bitsandbytes formats)")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
 @click.option("--force", is_flag=True, help="replace --out if it exists")
-def quantize(src, out, bits, group_size, symmetric, skip, lm_head_bits, max_shard_size, force):
+def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, max_shard_size, force):
     """Quantize a 16-bit checkpoint dir to int8 or int4 (round to nearest), streaming tensor by tensor."""
     from quantize.convert import convert
 
-    if group_size is None and bits == 4:
+    if group_size is None and bits == 4 and scheme == "int":
         group_size = 128
     summary = convert(src, out, bits=bits, group_size=group_size, symmetric=symmetric,
-                      skip=tuple(s.strip() for s in skip.split(",") if s.strip()), lm_head_bits=int(lm_head_bits),
-                      force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+                      skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
+                      lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
+                      scheme={"bnb-int8": "llm.int8"}.get(scheme, scheme), force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
     click.echo(str(summary))
 
 

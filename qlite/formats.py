@@ -6,6 +6,9 @@ Canonical layout on disk (kernel-independent; kernels repack at load):
   int4:  qweight uint8 [N, ceil(K/2)] (column 2j in the low nibble, 2j+1 in the high),
          scales fp16 [N, K/G], zeros uint8 [N, K/G] (integer zero points) w = (q - z) * s
 G = K (one group per row) means per output channel.
+The bitsandbytes peer formats keep bitsandbytes' own layout:
+  nf4:      qweight uint8 [N, K/2] (column 2j in the HIGH nibble), absmax fp32 [N, K/64]  w = NF4[q] * absmax
+  llm.int8: qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
 """
 from __future__ import annotations
 
@@ -22,14 +25,22 @@ LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 SCALE_BITS, ZERO_BITS = 16, 8
 
 
+SCHEMES = ("int", "nf4", "llm.int8")
+
+
 @dataclass(frozen=True)
 class Format:
     bits: int  # 4 or 8
     group_size: int | None  # None: one scale per output channel
     symmetric: bool  # int8 is always symmetric; int4 stores zero points either way (8 when symmetric)
+    scheme: str = "int"  # qlite's integer formats, or a bitsandbytes one: "nf4", "llm.int8"
 
     @property
     def name(self) -> str:
+        if self.scheme == "nf4":
+            return f"nf4-b{self.group_size}"
+        if self.scheme == "llm.int8":
+            return "llm.int8"
         if self.bits == 8:
             return "int8" if self.group_size is None else f"int8-g{self.group_size}"
         return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
@@ -39,11 +50,18 @@ class Format:
 
     def bits_per_weight(self, in_features: int) -> float:
         """Storage bits per weight, scales and zero points included."""
+        if self.scheme != "int":  # bitsandbytes keeps float32 absmax per block (nf4) or per row (llm.int8)
+            return self.bits + 32 * self.groups(in_features) / in_features
         per_group = SCALE_BITS + (ZERO_BITS if self.bits == 4 else 0)
         return self.bits + per_group * self.groups(in_features) / in_features
 
     def stored_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
         g = self.groups(in_features)
+        if self.scheme == "nf4":
+            return {"qweight": (torch.uint8, (out_features, in_features // 2)),
+                    "absmax": (torch.float32, (out_features, g))}
+        if self.scheme == "llm.int8":
+            return {"qweight": (torch.int8, (out_features, in_features)), "scb": (torch.float32, (out_features,))}
         if self.bits == 8:
             return {"qweight": (torch.int8, (out_features, in_features)),
                     "scales": (torch.float16, (out_features, g))}
@@ -56,7 +74,13 @@ class Format:
             raise QliteError(f"--group-size {self.group_size} does not divide {where}'s input width {in_features}")
 
 
-def validate_format(bits: int, group_size: int | None, symmetric: bool) -> Format:
+def validate_format(bits: int, group_size: int | None, symmetric: bool, scheme: str = "int") -> Format:
+    if scheme == "nf4":
+        return Format(4, group_size or 64, True, "nf4")
+    if scheme == "llm.int8":
+        return Format(8, None, True, "llm.int8")
+    if scheme != "int":
+        raise QliteError(f"--format {scheme}: unknown")
     if bits not in (4, 8):
         raise QliteError(f"--bits {bits}: qlite quantizes to 4 or 8 bits")
     if group_size is not None and group_size <= 0:
@@ -76,9 +100,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """uint8 [N, ceil(K/2)] -> codes uint8 [N, K]."""
-    both = torch.stack([packed & 0xF, packed >> 4], dim=-1)  # (N, ceil(K/2), 2)
+def unpack_int4(packed: torch.Tensor, in_features: int, high_first: bool = False) -> torch.Tensor:
+    """uint8 [N, ceil(K/2)] -> codes uint8 [N, K] (high_first: bitsandbytes' nibble order)."""
+    lo, hi = packed & 0xF, packed >> 4
+    both = torch.stack([hi, lo] if high_first else [lo, hi], dim=-1)  # (N, ceil(K/2), 2)
     return both.reshape(*packed.shape[:-1], -1)[..., :in_features]
 
 
@@ -98,12 +123,36 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return (codes - _per_column(zeros.float(), in_features)) * _per_column(scales.float(), in_features)
 
 
+def load_bitsandbytes():
+    """Import bitsandbytes quietly: its CPU backend logs a warning when an optional hub kernel
+    package is missing, which it is here (and it never needs to be)."""
+    import logging
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import bitsandbytes
+    import bitsandbytes.functional
+    return bitsandbytes
+
+
+def nf4_codebook() -> torch.Tensor:
+    """The 16 NF4 values (QLoRA, Dettmers et al. 2023), as bitsandbytes defines them."""
+    return load_bitsandbytes().functional.get_4bit_type("nf4", device="cpu").float()
+
+
+def dequantize_nf4(qweight: torch.Tensor, absmax: torch.Tensor, in_features: int) -> torch.Tensor:
+    codes = unpack_int4(qweight, in_features, high_first=True).long()
+    return nf4_codebook().to(qweight.device)[codes] * _per_column(absmax.float(), in_features)
+
+
+def dequantize_llm_int8(qweight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * (scb.float() / 127)[:, None]
+
+
 # --- which module gets which format --------------------------------------------------------------
 
 def quantization_config(fmt: Format, lm_head_bits: int, skip: tuple[str, ...] = (), method: str = "rtn",
                         extra: dict | None = None) -> dict:
     return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
-            "bits": fmt.bits, "group_size": fmt.group_size, "symmetric": fmt.symmetric,
+            "scheme": fmt.scheme, "bits": fmt.bits, "group_size": fmt.group_size, "symmetric": fmt.symmetric,
             "modules": list(LINEAR_KINDS), "lm_head_bits": lm_head_bits, "skip": list(skip), **(extra or {})}
 
 
@@ -116,7 +165,9 @@ def parse_quantization_config(q: dict, source: str) -> dict:
         raise QliteError(f"{source}: quantization format_version {q.get('format_version')!r} is unknown to this "
                          f"qlite (it reads version {FORMAT_VERSION}); upgrade qlite or re-quantize")
     try:
-        validate_format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric", False)))
+        if q.get("scheme", "int") not in SCHEMES:
+            raise QliteError(f"{source}: quantization scheme {q.get('scheme')!r} is unknown to this qlite")
+        validate_format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric", False)), q.get("scheme", "int"))
         if int(q.get("lm_head_bits", 16)) not in (4, 8, 16):
             raise QliteError(f"{source}: lm_head_bits must be 4, 8 or 16")
     except (KeyError, TypeError, ValueError) as e:
@@ -128,14 +179,14 @@ def module_format(q: dict, module_name: str) -> Format | None:
     """The format of a linear module (by its dotted name), or None if it stays 16-bit."""
     if any(s and s in module_name for s in q.get("skip", ())):
         return None
-    main = Format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric", q["bits"] == 8)))
+    main = validate_format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric")), q.get("scheme", "int"))
     if module_name == "lm_head":
         bits = int(q.get("lm_head_bits", 16))
         if bits == 16:
             return None
         if bits == 8:
             return Format(8, None, True)  # per channel: the fast int8 kernel
-        return main if main.bits == 4 else Format(4, 128, False)
+        return main if main.bits == 4 and main.scheme == "int" else Format(4, 128, False)
     kind = module_name.rsplit(".", 1)[-1]
     if re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+", module_name) and kind in q.get("modules", ()):
         return main

@@ -4,6 +4,8 @@
 - aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (they are 10-70x slower fed
   float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
   (weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
+- bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
+  outlier threshold), for comparing those formats; slow on the CPU.
 A kernel's `prepare` replaces the canonical buffers by its own (so memory holds one copy)."""
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class AtenInt8:
 
     @staticmethod
     def supports(layer) -> bool:
-        return layer.fmt.bits == 8 and layer.fmt.group_size is None and layer.qweight.device.type == "cpu"
+        return (layer.fmt.scheme == "int" and layer.fmt.bits == 8 and layer.fmt.group_size is None
+                and layer.qweight.device.type == "cpu")
 
     @staticmethod
     def prepare(layer) -> None:
@@ -60,7 +63,7 @@ class AtenInt4:
 
     @staticmethod
     def supports(layer) -> bool:
-        return (layer.fmt.bits == 4 and layer.fmt.group_size in AtenInt4.GROUP_SIZES
+        return (layer.fmt.scheme == "int" and layer.fmt.bits == 4 and layer.fmt.group_size in AtenInt4.GROUP_SIZES
                 and layer.in_features % 64 == 0 and layer.qweight.device.type == "cpu"
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
@@ -87,7 +90,52 @@ class AtenInt4:
         return _bias(y, layer)
 
 
-KERNELS = {"reference": [Reference], "aten": [AtenInt8, AtenInt4], "auto": [AtenInt8, AtenInt4, Reference]}
+class BnbNF4:
+    name = "bnb-nf4"
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return layer.fmt.scheme == "nf4"
+
+    @staticmethod
+    def prepare(layer) -> None:
+        from .formats import load_bitsandbytes, nf4_codebook
+        layer.bnb_state = load_bitsandbytes().functional.QuantState(absmax=layer.absmax.reshape(-1), shape=torch.Size([layer.out_features, layer.in_features]),
+                                     code=nf4_codebook().to(layer.qweight.device), blocksize=layer.fmt.group_size,
+                                     quant_type="nf4", dtype=torch.bfloat16)
+
+    @staticmethod
+    def forward(layer, x):
+        import bitsandbytes as bnb
+        y = bnb.matmul_4bit(x.to(torch.bfloat16), layer.qweight.view(-1, 1).t(), quant_state=layer.bnb_state)
+        return _bias(y.to(x.dtype), layer)
+
+
+class BnbInt8:
+    name = "bnb-llm.int8"
+    THRESHOLD = 6.0  # LLM.int8's outlier threshold: activation columns above it stay 16-bit
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return layer.fmt.scheme == "llm.int8"
+
+    @staticmethod
+    def prepare(layer) -> None:
+        from .formats import load_bitsandbytes
+        state = load_bitsandbytes().MatmulLtState()
+        state.CB, state.SCB, state.threshold = layer.qweight, layer.scb, BnbInt8.THRESHOLD
+        state.has_fp16_weights, state.is_training = False, False
+        layer.bnb_state = state
+
+    @staticmethod
+    def forward(layer, x):
+        import bitsandbytes as bnb
+        y = bnb.matmul(x.to(torch.float16), layer.qweight, state=layer.bnb_state)  # it works in fp16
+        return _bias(y.to(x.dtype), layer)
+
+
+KERNELS = {"reference": [Reference], "aten": [AtenInt8, AtenInt4], "bnb": [BnbNF4, BnbInt8],
+           "auto": [AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference]}
 
 
 def choose_kernel(layer, kernel: str):

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from .errors import QliteError
-from .formats import Format, dequantize_int4, dequantize_int8, module_format, parse_quantization_config
+from .formats import (Format, dequantize_int4, dequantize_int8, dequantize_llm_int8, dequantize_nf4, module_format,
+                      parse_quantization_config)
 
 
 class QuantLinear(nn.Module):
@@ -21,6 +22,10 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the stored codes stand for."""
+        if self.fmt.scheme == "nf4":
+            return dequantize_nf4(self.qweight, self.absmax, self.in_features)
+        if self.fmt.scheme == "llm.int8":
+            return dequantize_llm_int8(self.qweight, self.scb)
         if self.fmt.bits == 8:
             return dequantize_int8(self.qweight, self.scales)
         return dequantize_int4(self.qweight, self.scales, self.zeros, self.in_features)

@@ -48,6 +48,14 @@ class Summary:
 
 def quantize_weight(w: torch.Tensor, fmt: Format) -> dict[str, torch.Tensor]:
     """A float weight [N, K] -> the stored tensors of its format."""
+    if fmt.scheme == "nf4":
+        from quantize.bnb import quantize_nf4
+        q, absmax = quantize_rows(w, quantize_nf4, blocksize=fmt.group_size)
+        return {"qweight": q, "absmax": absmax}
+    if fmt.scheme == "llm.int8":
+        from quantize.bnb import quantize_llm_int8
+        q, scb = quantize_rows(w, quantize_llm_int8)
+        return {"qweight": q, "scb": scb}
     if fmt.bits == 8:
         q, s = quantize_rows(w, quantize_int8, group_size=fmt.group_size)
         return {"qweight": q, "scales": s}
@@ -87,16 +95,18 @@ def expected_names(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
 
 def default_out_dir(src: Path, qcfg: dict) -> Path:
     main = module_format({**qcfg, "skip": []}, "model.layers.0.self_attn.q_proj")
-    suffix = main.name if qcfg.get("method", "rtn") == "rtn" else f"{qcfg['method']}-{main.name}"
+    suffix = main.name if qcfg.get("method", "rtn") in ("rtn", "bnb") else f"{qcfg['method']}-{main.name}"
     return src.parent / f"{src.name}-{suffix}"
 
 
 def convert(src: str | Path, out: str | Path | None = None, bits: int = 4, group_size: int | None = 128,
-            symmetric: bool = False, skip: tuple[str, ...] = (), lm_head_bits: int = 8, force: bool = False,
+            symmetric: bool = False, skip: tuple[str, ...] = (), lm_head_bits: int | None = None, force: bool = False,
             max_shard_bytes: int = 2 << 30, progress: bool = True, method: str = "rtn",
-            weights: dict | None = None, extra_config: dict | None = None) -> Summary:
+            weights: dict | None = None, extra_config: dict | None = None, scheme: str = "int") -> Summary:
     """Quantize the checkpoint dir `src` into `out` (default: src plus a suffix such as -int4-g128).
-    `weights` may supply already-quantized tensors by name (GPTQ does); others are quantized by RTN."""
+    scheme "nf4" or "llm.int8" makes bitsandbytes' formats (lm_head 16-bit by default, as
+    transformers does for them); `weights` may supply already-quantized tensors by name (GPTQ does).
+    Others are quantized by RTN."""
     t0 = time.perf_counter()
     src = Path(src).resolve() if Path(src).exists() else Path(src)
     if not src.is_dir():
@@ -105,9 +115,13 @@ def convert(src: str | Path, out: str | Path | None = None, bits: int = 4, group
     cfg = Qwen2Config.from_dict(cfg_dict, source=str(src / "config.json"))
     if cfg.quantization_config is not None:
         raise QliteError(f"{src / 'config.json'}: already quantized; quantize the 16-bit checkpoint")
+    if lm_head_bits is None:
+        lm_head_bits = 8 if scheme == "int" else 16
     if lm_head_bits not in (4, 8, 16):
         raise QliteError(f"--lm-head-bits {lm_head_bits}: choose 4, 8 or 16")
-    fmt = validate_format(bits, group_size, symmetric)
+    fmt = validate_format(bits, group_size, symmetric, scheme)
+    if scheme != "int":
+        method = "bnb"
     qcfg = quantization_config(fmt, lm_head_bits, tuple(skip), method=method, extra=extra_config)
     out = Path(out) if out is not None else default_out_dir(src, qcfg)
     if out.resolve() == src or src in out.resolve().parents:

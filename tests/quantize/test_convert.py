@@ -56,11 +56,12 @@ def dequantized_twin(quantized_dir: Path, src_dir: Path):
     return q, twin
 
 
-@pytest.mark.parametrize("bits, group, sym, head", [(8, None, True, 8), (4, 64, False, 8), (4, 32, True, 4),
-                                                    (4, 64, False, 16), (8, 64, True, 16)])
-def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group, sym, head):
+@pytest.mark.parametrize("bits, group, sym, head, scheme", [
+    (8, None, True, 8, "int"), (4, 64, False, 8, "int"), (4, 32, True, 4, "int"), (4, 64, False, 16, "int"),
+    (8, 64, True, 16, "int"), (4, 64, True, 16, "nf4"), (8, None, True, 16, "llm.int8")])
+def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group, sym, head, scheme):
     out = convert(src, tmp_path / "q", bits=bits, group_size=group, symmetric=sym, lm_head_bits=head,
-                  progress=False).out_dir
+                  scheme=scheme, progress=False).out_dir
     q, twin = dequantized_twin(out, src)
     ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -132,6 +133,13 @@ def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):
     code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst", *args)
     assert code != 0 and len(err.strip().splitlines()) == 1 and message in err
     assert dir_digest(src) == before and list(tmp_path.iterdir()) == []
+
+
+def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):
+    assert main(["quantize", str(src), "--format", "nf4", "--out", str(tmp_path / "nf4")]) == 0
+    assert main(["info", str(tmp_path / "nf4")]) == 0
+    assert "format         bnb nf4-b64, lm_head 16-bit" in capsys.readouterr().out
+    assert main(["generate", "-m", str(tmp_path / "nf4"), "-p", "the thin", "--max-new-tokens", "3"]) == 0
 
 
 def test_existing_destination_needs_force(capsys, src, tmp_path):

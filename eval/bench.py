@@ -1,0 +1,198 @@
+"""Speed and memory, side by side: qlite checkpoints and peers (transformers, llama.cpp through
+llama-cpp-python when installed) on the same prompt, the same thread count, in one run.
+
+Each measurement runs in a fresh process (clean load time and peak memory). Per model: load time,
+prefill of a --prompt-tokens prompt (tokens/s and time to first token), greedy decode of --new-tokens
+(tokens/s), resident memory above a bare `import torch`, peak RSS, size on disk. Medians over
+--repeats runs, with min-max.
+
+    python -m eval.bench DIR... [--transformers fp32,bf16] [--gguf FILE ...] [--markdown BENCHMARKS.md]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+PROMPT_SEED_TEXT = "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n"
+
+
+def _prompt_ids(tokenize, n: int) -> list[int]:
+    """A deterministic prompt of exactly n tokens: the eval code text, cut."""
+    from eval.data import load_text
+    ids = tokenize(load_text("code"))
+    return ids[:n]
+
+
+def _mem() -> tuple[int, int]:
+    from qlite.memory import peak_rss_bytes, rss_bytes
+    return rss_bytes(), peak_rss_bytes()
+
+
+def run_qlite(spec: dict) -> dict:
+    import torch
+    from qlite.generate import SamplingParams, generate_tokens
+    from qlite.pipeline import load
+
+    torch.set_num_threads(spec["threads"])
+    rss0, _ = _mem()
+    t = time.perf_counter()
+    lm = load(spec["path"], dtype=spec.get("dtype", "auto"))
+    load_s = time.perf_counter() - t
+    prompt = _prompt_ids(lm.tokenizer.encode, spec["prompt_tokens"])
+    runs = []
+    for _ in range(spec["repeats"]):
+        params = SamplingParams(max_new_tokens=spec["new_tokens"])
+        t0 = time.perf_counter()
+        it = generate_tokens(lm.model, [prompt], params, eos_ids=())
+        next(it)
+        ttft = time.perf_counter() - t0
+        n = sum(1 for _ in it)
+        decode_s = time.perf_counter() - t0 - ttft
+        runs.append({"ttft_s": ttft, "prefill_tps": len(prompt) / ttft, "decode_tps": n / decode_s})
+    rss, peak = _mem()
+    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+
+
+def run_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(spec["threads"])
+    rss0, _ = _mem()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype, attn_implementation="eager").eval()
+    load_s = time.perf_counter() - t
+    tok = AutoTokenizer.from_pretrained(spec["path"])
+    prompt = torch.tensor([_prompt_ids(lambda s: tok.encode(s, add_special_tokens=False), spec["prompt_tokens"])])
+    runs = []
+    with torch.inference_mode():
+        for _ in range(spec["repeats"]):
+            kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=spec["new_tokens"], min_new_tokens=spec["new_tokens"], **kw)
+            total = time.perf_counter() - t0
+            runs.append({"ttft_s": ttft, "prefill_tps": prompt.shape[1] / ttft,
+                         "decode_tps": (spec["new_tokens"] - 1) / max(total - ttft, 1e-9)})
+    rss, peak = _mem()
+    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+
+
+def run_llama_cpp(spec: dict) -> dict:
+    import torch  # noqa: F401  (the same baseline as the others: RSS above a bare import torch)
+    from llama_cpp import Llama
+
+    rss0, _ = _mem()
+    t = time.perf_counter()
+    llm = Llama(model_path=spec["path"], n_ctx=spec["prompt_tokens"] + spec["new_tokens"] + 8,
+                n_threads=spec["threads"], n_threads_batch=spec["threads"], n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t
+    prompt = _prompt_ids(lambda s: llm.tokenize(s.encode(), add_bos=False, special=False), spec["prompt_tokens"])
+    runs = []
+    for _ in range(spec["repeats"]):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = llm.sample(temp=0.0)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(spec["new_tokens"] - 1):
+            llm.eval([tok])
+            tok = llm.sample(temp=0.0)
+        decode_s = time.perf_counter() - t0
+        runs.append({"ttft_s": ttft, "prefill_tps": len(prompt) / ttft,
+                     "decode_tps": (spec["new_tokens"] - 1) / decode_s})
+    rss, peak = _mem()
+    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+
+
+RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
+
+
+def measure(spec: dict) -> dict:
+    """Run one spec in a fresh process; returns its figures (or an error)."""
+    r = subprocess.run([sys.executable, "-m", "eval.bench", "--child", json.dumps(spec)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def size_on_disk(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def summarize(label: str, spec: dict, result: dict) -> dict:
+    row = {"name": label, "engine": spec["engine"], "size_mib": size_on_disk(Path(spec["path"])) / 2**20}
+    if "error" in result:
+        return {**row, "error": result["error"]}
+    for key in ("prefill_tps", "decode_tps", "ttft_s"):
+        values = [r[key] for r in result["runs"]]
+        row[key] = (statistics.median(values), min(values), max(values))
+    row.update(load_s=result["load_s"], rss_mib=result["rss_above_torch"] / 2**20, peak_mib=result["peak_rss"] / 2**20)
+    return row
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| model | engine | decode tok/s | prefill tok/s | TTFT s | load s | RSS above torch MiB "
+             "| peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | |")
+            continue
+        f = lambda k, p=1: f"{r[k][0]:.{p}f} ({r[k][1]:.{p}f}-{r[k][2]:.{p}f})"
+        lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {f('prefill_tps')} | {f('ttft_s', 2)} "
+                     f"| {r['load_s']:.1f} | {r['rss_mib']:.0f} | {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("model_dirs", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
+@click.option("--gguf", multiple=True, type=click.Path(path_type=Path), help="also run llama.cpp on this GGUF")
+@click.option("--prompt-tokens", default=512, show_default=True)
+@click.option("--new-tokens", default=128, show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--threads", default=os.cpu_count(), show_default=True)
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
+@click.option("--json", "json_path", type=click.Path(path_type=Path))
+@click.option("--child", hidden=True)
+def main(model_dirs, hf, gguf, prompt_tokens, new_tokens, repeats, threads, md_path, json_path, child):
+    if child:
+        spec = json.loads(child)
+        print(json.dumps(RUNNERS[spec["engine"]](spec)))
+        return
+    common = dict(prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads)
+    jobs = [(d.name, {"engine": "qlite", "path": str(d), **common}) for d in model_dirs]
+    for dt in filter(None, hf.split(",")):
+        jobs.append((f"{model_dirs[0].name} {dt}", {"engine": "transformers", "path": str(model_dirs[0]),
+                                                     "dtype": dt, **common}))
+    jobs += [(g.name, {"engine": "llama.cpp", "path": str(g), **common}) for g in gguf]
+    rows = []
+    for label, spec in jobs:
+        click.echo(f"bench {label} ({spec['engine']})", err=True)
+        rows.append(summarize(label, spec, measure(spec)))
+    header = (f"{threads} threads, prompt {prompt_tokens} tokens, {new_tokens} new tokens greedy, "
+              f"median (min-max) of {repeats} runs, {time.strftime('%Y-%m-%d')}")
+    table = markdown(rows, header)
+    click.echo(table)
+    if md_path:
+        md_path.write_text(table + "\n")
+    if json_path:
+        json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
