@@ -92,16 +92,32 @@ def info(model_dir):
 @click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]), help="default 8 (16 for bitsandbytes formats)")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
 @click.option("--force", is_flag=True, help="replace --out if it exists")
-def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, max_shard_size, force):
-    """Quantize a 16-bit checkpoint dir to int8 or int4 (round to nearest), streaming tensor by tensor."""
-    from quantize.convert import convert
-
+@click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
+              help="round to nearest, or GPTQ calibrated one decoder layer at a time")
+@click.option("--calib-data", default="builtin", show_default=True, help="GPTQ: builtin (code + prose) or a text file")
+@click.option("--nsamples", type=int, default=32, show_default=True, help="GPTQ: calibration windows")
+@click.option("--seqlen", type=int, default=512, show_default=True, help="GPTQ: tokens per window")
+@click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
+@click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
+def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, max_shard_size, force, method,
+             calib_data, nsamples, seqlen, act_order, damp):
+    """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
+    calibrated with GPTQ one decoder layer at a time."""
     if group_size is None and bits == 4 and scheme == "int":
         group_size = 128
-    summary = convert(src, out, bits=bits, group_size=group_size, symmetric=symmetric,
-                      skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
-                      lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
-                      scheme={"bnb-int8": "llm.int8"}.get(scheme, scheme), force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+    common = dict(bits=bits, group_size=group_size, symmetric=symmetric, force=force,
+                  skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
+                  lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
+                  max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+    if method == "gptq":
+        if scheme != "int":
+            raise QliteError(f"--method gptq makes qlite's int formats, not --format {scheme}")
+        from quantize.calibrate import gptq_convert
+        summary = gptq_convert(src, out, calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order,
+                               damp=damp, **common)
+    else:
+        from quantize.convert import convert
+        summary = convert(src, out, scheme={"bnb-int8": "llm.int8"}.get(scheme, scheme), **common)
     click.echo(str(summary))
 
 

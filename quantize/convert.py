@@ -96,6 +96,8 @@ def expected_names(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
 def default_out_dir(src: Path, qcfg: dict) -> Path:
     main = module_format({**qcfg, "skip": []}, "model.layers.0.self_attn.q_proj")
     suffix = main.name if qcfg.get("method", "rtn") in ("rtn", "bnb") else f"{qcfg['method']}-{main.name}"
+    if qcfg.get("act_order"):
+        suffix += "-act"
     return src.parent / f"{src.name}-{suffix}"
 
 

@@ -1,0 +1,86 @@
+"""GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers"): quantize a linear layer's columns one at a time, spreading each column's rounding
+error over the columns not yet quantized through the inverse Hessian H = 2 X^T X of the layer's
+inputs. Lazy batch updates in blocks of 128 columns; optional act-order (columns by descending
+diag(H)) with static groups, so the output stays in the canonical group layout and act-order costs
+nothing at inference (no per-call gather).
+
+`gptq_linear` is the pure math for one weight; `quantize/calibrate.py` runs it layer by layer."""
+from __future__ import annotations
+
+import torch
+
+from qlite.errors import QliteError
+from qlite.formats import Format, pack_int4
+from quantize.rtn import INT8_MAX, codes, int4_params, int8_params
+
+BLOCK = 128
+
+
+def hessian_update(h: torch.Tensor, x: torch.Tensor) -> None:
+    """h += x^T x for inputs x (..., K), in float32 (scale is irrelevant: damping is relative)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()  # (tokens, K)
+    h.addmm_(x2.t(), x2)
+
+
+def _grid(fmt: Format):
+    if fmt.bits == 8:
+        return int8_params, -INT8_MAX, INT8_MAX
+    return (lambda wg: int4_params(wg, fmt.symmetric)), 0, 15
+
+
+def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: Format, damp: float = 0.01,
+                act_order: bool = False) -> dict[str, torch.Tensor]:
+    """Quantize weight [N, K] given the Hessian [K, K] of its inputs; returns the stored tensors of
+    `fmt` (as quantize.convert.quantize_weight does for RTN)."""
+    if fmt.scheme != "int":
+        raise QliteError(f"GPTQ makes qlite's int formats, not {fmt.name}")
+    W = weight.float().clone()
+    H = hessian.float().clone()
+    N, K = W.shape
+    G = fmt.group_size or K
+    if G != K and BLOCK % G and G % BLOCK:
+        raise QliteError(f"--group-size {G}: GPTQ needs a group size that divides {BLOCK} or is a multiple of it")
+    params, lo, hi = _grid(fmt)
+    scale = torch.zeros(N, K // G)
+    zero = torch.zeros(N, K // G)
+
+    dead = torch.diag(H) == 0  # inputs that are always zero: any value works, pick 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    if act_order:  # static groups: every group's grid from the original weights, fixed up front
+        scale[:], zero[:] = params(W.reshape(N, K // G, G))  # (N, groups)
+        perm = torch.argsort(torch.diag(H), descending=True)
+    else:
+        perm = torch.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal().add_(damp * torch.diag(H).mean())
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise QliteError(f"GPTQ: the Hessian is not positive definite even with --damp {damp}; raise --damp") from None
+
+    Q = torch.zeros_like(W)  # integer codes, in permuted column order
+    for i1 in range(0, K, BLOCK):
+        i2 = min(i1 + BLOCK, K)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])
+            g = col // G
+            if not act_order and col % G == 0:  # a new group: its grid from the current weights
+                group = W1[:, i:i + G] if G <= BLOCK else W[:, i1 + i:i1 + i + G]
+                scale[:, g], zero[:, g] = params(group)
+            w, d = W1[:, i], Hinv1[i, i]
+            q = codes(w, scale[:, g], zero[:, g], lo, hi)
+            Q[:, i1 + i] = q
+            err = (w - (q - zero[:, g]) * scale[:, g]) / d
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's errors, passed on to the later columns at once
+
+    codes_orig = torch.empty_like(Q)
+    codes_orig[:, perm] = Q  # back to the original column order
+    if fmt.bits == 8:
+        return {"qweight": codes_orig.to(torch.int8), "scales": scale.half()}
+    return {"qweight": pack_int4(codes_orig.to(torch.uint8)), "scales": scale.half(), "zeros": zero.to(torch.uint8)}
