@@ -118,6 +118,33 @@ def run_llama_cpp(spec: dict) -> dict:
 
 RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
 
+LLAMA_FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
+
+
+def llama_cpp_variants(src_gguf: Path, out_dir: Path, types=("f16", "q8_0", "q4_0")) -> list[Path]:
+    """GGUFs of the given types made from src_gguf with llama.cpp's own quantizer (requantizing the
+    demo's mixed types: speed depends on the type, not the values). Cached by file name."""
+    import ctypes
+
+    import llama_cpp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for t in types:
+        dst = out_dir / f"{src_gguf.stem}-{t}.gguf"
+        if not dst.exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = LLAMA_FTYPES[t]
+            params.allow_requantize = True
+            params.nthread = os.cpu_count()
+            tmp = dst.with_suffix(".part")
+            rc = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(tmp).encode(), ctypes.byref(params))
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize to {t} failed ({rc})")
+            os.replace(tmp, dst)
+        paths.append(dst)
+    return paths
+
 
 def measure(spec: dict) -> dict:
     """Run one spec in a fresh process; returns its figures (or an error)."""
@@ -162,6 +189,8 @@ def markdown(rows: list[dict], header: str) -> str:
 @click.argument("model_dirs", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
 @click.option("--gguf", multiple=True, type=click.Path(path_type=Path), help="also run llama.cpp on this GGUF")
+@click.option("--llama-cpp-from", type=click.Path(path_type=Path),
+              help="make f16, Q8_0 and Q4_0 GGUFs from this GGUF (cached beside it) and run llama.cpp on each")
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--new-tokens", default=128, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
@@ -169,7 +198,8 @@ def markdown(rows: list[dict], header: str) -> str:
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, gguf, prompt_tokens, new_tokens, repeats, threads, md_path, json_path, child):
+def main(model_dirs, hf, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, json_path,
+         child):
     if child:
         spec = json.loads(child)
         print(json.dumps(RUNNERS[spec["engine"]](spec)))
@@ -179,6 +209,8 @@ def main(model_dirs, hf, gguf, prompt_tokens, new_tokens, repeats, threads, md_p
     for dt in filter(None, hf.split(",")):
         jobs.append((f"{model_dirs[0].name} {dt}", {"engine": "transformers", "path": str(model_dirs[0]),
                                                      "dtype": dt, **common}))
+    if llama_cpp_from:
+        gguf = (*gguf, *llama_cpp_variants(llama_cpp_from, llama_cpp_from.parent / "llama-cpp"))
     jobs += [(g.name, {"engine": "llama.cpp", "path": str(g), **common}) for g in gguf]
     rows = []
     for label, spec in jobs:

@@ -76,9 +76,10 @@ def read_tensors(model_dir: Path, expected: dict[str, torch.Size], convert):
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               kernel: str = "auto") -> Qwen2ForCausalLM:
+               kernel: str = "auto", fuse: bool = True) -> Qwen2ForCausalLM:
     """Load a (possibly quantized) checkpoint dir. Floating tensors are cast to `dtype`; quantized
-    buffers keep theirs and are repacked once for the chosen kernel."""
+    buffers keep theirs and are repacked once for the chosen kernel. fuse: q/k/v and gate/up become
+    one matmul each (exact; the module names then differ from the checkpoint's)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     dev = resolve_device(device)
@@ -106,6 +107,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
     model.model.rotary.to(dev)
+    if fuse:
+        from .fuse import fuse_projections
+        fuse_projections(model)
     if quantized:
         from .qlinear import prepare_for_kernel
         prepare_for_kernel(model, kernel=kernel, dtype=float_dtype)

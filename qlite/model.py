@@ -72,9 +72,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache_kv, start: int, mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        if hasattr(self, "qkv_proj"):  # fused at load (fuse.py): one matmul instead of three
+            q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
+                                              self.n_kv * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_kv is not None:
             cache_k, cache_v = cache_kv
@@ -95,7 +100,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):  # fused at load (fuse.py)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -28,8 +28,11 @@ from quantize.gptq import gptq_linear, hessian_update
 
 CALIB_MODULES = ("inspect", "typing", "dataclasses", "pathlib", "functools", "enum", "tarfile", "csv",
                  "logging", "ast")
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Linears by shared input: q/k/v read the same normed hidden state, gate/up too: one Hessian each.
+INPUT_GROUPS = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn.o_proj": ("self_attn.o_proj",),
+                "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.down_proj": ("mlp.down_proj",)}
 BATCH = 4  # calibration windows per forward
 
 
@@ -121,14 +124,16 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
         layer = DecoderLayer(cfg)
         layer.load_state_dict({k: reader.get(prefix + k) for k in layer.state_dict()})
         modules = dict(layer.named_modules())
-        hessians = {n: torch.zeros(modules[n].in_features, modules[n].in_features) for n in LINEARS}
+        hessians = {n: torch.zeros(modules[n].in_features, modules[n].in_features) for n in INPUT_GROUPS}
         hooks = [modules[n].register_forward_hook(lambda m, inp, _, n=n: hessian_update(hessians[n], inp[0]))
-                 for n in LINEARS]
+                 for n in INPUT_GROUPS]
         run_batched(lambda xb: layer(xb, cos, sin, None, 0, None), x)
         for h in hooks:
             h.remove()
-        for n in LINEARS:
-            quantize_linear(prefix + n, modules[n], hessians.pop(n))
+        for first, group in INPUT_GROUPS.items():
+            hessian = hessians.pop(first)
+            for n in group:
+                quantize_linear(prefix + n, modules[n], hessian)
         x = run_batched(lambda xb: layer(xb, cos, sin, None, 0, None), x)  # the quantized layer's outputs
         del layer, modules
 

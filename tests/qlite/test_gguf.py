@@ -113,7 +113,7 @@ def test_imported_tokenizer_and_template(tiny_gguf, tmp_path):
     assert tok.decode(ids) == text
     assert tok.eos_token == "<|im_end|>" and tok.chat_template.startswith("{% for m in messages %}")
     f16 = load_model(out, dtype="float32")
-    assert f16.model.layers[0].self_attn.k_proj.bias.dtype == torch.float32
+    assert f16.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32  # fused at load
 
 
 def test_import_refuses_existing_output_unless_forced(tiny_gguf, tmp_path):

@@ -73,3 +73,11 @@ def test_bf16_runs_close_to_float32(tiny_ckpt):
         a = load_model(tiny_ckpt, dtype="float32")(ids)
         b = load_model(tiny_ckpt, dtype="bfloat16")(ids).float()
     assert b.dtype == torch.float32 and (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_fused_projections_give_the_same_logits(tiny_ckpt):
+    ids = torch.randint(0, 500, (2, 13))
+    fused = load_model(tiny_ckpt, dtype="float32")
+    assert hasattr(fused.model.layers[0].self_attn, "qkv_proj") and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
+    with torch.no_grad():
+        assert (fused(ids) - load_model(tiny_ckpt, dtype="float32", fuse=False)(ids)).abs().max() <= 1e-5

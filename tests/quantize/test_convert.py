@@ -44,8 +44,8 @@ def dir_digest(path: Path) -> str:
 
 def dequantized_twin(quantized_dir: Path, src_dir: Path):
     """The float32 source model with every quantized linear replaced by its dequantized weight."""
-    q = load_model(quantized_dir, dtype="float32", kernel="reference")
-    twin = load_model(src_dir, dtype="float32")
+    q = load_model(quantized_dir, dtype="float32", kernel="reference", fuse=False)
+    twin = load_model(src_dir, dtype="float32", fuse=False)
     twin_modules = dict(twin.named_modules())
     for name, mod in q.named_modules():
         if isinstance(mod, QuantLinear):
@@ -70,6 +70,9 @@ def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group,
         fast = load_model(out, dtype="bfloat16")(ids).float()  # the default (fast) kernels
     assert ((fast - expected).norm() / expected.norm()) <= 0.03
     assert isinstance(q.lm_head, QuantLinear) == (head != 16)
+    fused = load_model(out, dtype="float32", kernel="reference")  # q/k/v and gate/up fused in stored layout
+    with torch.no_grad():
+        assert (fused(ids) - expected).abs().max() <= 1e-4
 
 
 def test_saved_tensors_reload_bit_identical(src, tmp_path):
