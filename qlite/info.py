@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import load_config
 from .errors import QliteError
-from .safetensors_io import checkpoint_files
+from .safetensors_io import tensor_index
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(weight|qweight|scales|zeros|bias)")
@@ -16,18 +16,7 @@ DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(we
 
 def tensor_headers(model_dir: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor, from the file headers alone."""
-    from safetensors import SafetensorError, safe_open
-
-    out = []
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    out.append((name, sl.get_dtype(), tuple(sl.get_shape())))
-        except SafetensorError as e:
-            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
-    return out
+    return [(name, dtype, shape) for _, name, dtype, shape in tensor_index(model_dir)]
 
 
 def nbytes(dtype: str, shape) -> int:

@@ -130,6 +130,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise QliteError(f"{model_dir}: no model.safetensors or {INDEX_NAME}")
 
 
+def tensor_index(model_dir: Path) -> list[tuple[Path, str, str, tuple[int, ...]]]:
+    """(file, name, safetensors dtype, shape) of every tensor of a checkpoint dir, from headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    out = []
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out.append((path, name, sl.get_dtype(), tuple(sl.get_shape())))
+        except SafetensorError as e:
+            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
+    return out
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: Path, force: bool = False):
     """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed."""

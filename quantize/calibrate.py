@@ -22,7 +22,7 @@ from qlite.memory import PeakAnonSampler
 from qlite.formats import (Format, dequantize_int4, dequantize_int8, module_format, quantization_config,
                            validate_format)
 from qlite.model import DecoderLayer, RMSNorm, Rotary
-from qlite.safetensors_io import checkpoint_files
+from qlite.safetensors_io import tensor_index
 from qlite.tokenizer import Tokenizer
 from quantize.gptq import gptq_linear, hessian_update
 
@@ -72,11 +72,7 @@ class TensorReader:
     """Tensors of a checkpoint dir by name, across shards, read one at a time as float32."""
 
     def __init__(self, model_dir: Path):
-        from safetensors import safe_open
-        self.where = {}
-        for path in checkpoint_files(model_dir):
-            with safe_open(path, framework="pt") as f:
-                self.where.update({name: path for name in f.keys()})
+        self.where = {name: path for path, name, _, _ in tensor_index(model_dir)}
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -17,7 +17,7 @@ from qlite.config import Qwen2Config, read_json
 from qlite.errors import QliteError
 from qlite.memory import PeakAnonSampler, peak_rss_bytes
 from qlite.formats import Format, module_format, pack_int4, quantization_config, validate_format
-from qlite.safetensors_io import INDEX_NAME, TensorSpec, atomic_output_dir, checkpoint_files, write_sharded
+from qlite.safetensors_io import INDEX_NAME, TensorSpec, atomic_output_dir, tensor_index, write_sharded
 from quantize.rtn import quantize_int4, quantize_int8, quantize_rows
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -65,20 +65,12 @@ def quantize_weight(w: torch.Tensor, fmt: Format) -> dict[str, torch.Tensor]:
 
 def read_source_tensors(src: Path) -> list[tuple[Path, str, torch.dtype, tuple[int, ...]]]:
     """(file, name, dtype, shape) of every source tensor, from the safetensors headers alone."""
-    from safetensors import SafetensorError, safe_open
-
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     out = []
-    for path in checkpoint_files(src):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    if sl.get_dtype() not in dtypes:
-                        raise QliteError(f"{path}: tensor {name} is {sl.get_dtype()}, expected a float checkpoint")
-                    out.append((path, name, dtypes[sl.get_dtype()], tuple(sl.get_shape())))
-        except SafetensorError as e:
-            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
+    for path, name, dtype, shape in tensor_index(src):
+        if dtype not in dtypes:
+            raise QliteError(f"{path}: tensor {name} is {dtype}, expected a float checkpoint")
+        out.append((path, name, dtypes[dtype], shape))
     return out
 
 
