@@ -106,14 +106,16 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
     cos, sin = Rotary(cfg.head_dim, cfg.rope_theta)(positions, torch.float32)
     out: dict[str, torch.Tensor] = {}
 
-    def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor) -> None:
+    def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor, update: bool = True) -> None:
+        """GPTQ one linear; with update, its weight becomes the dequantized result (for the next pass)."""
         fmt = module_format(qcfg, name)
         if fmt is None:
             return
         fmt.check(linear.in_features, name)
         stored = gptq_linear(linear.weight, hessian, fmt, damp=damp, act_order=act_order)
         out.update({f"{name}.{k}": v for k, v in stored.items()})
-        linear.weight.copy_(dequantize_stored(stored, fmt, linear.in_features))
+        if update:
+            linear.weight.copy_(dequantize_stored(stored, fmt, linear.in_features))
 
     for i in tqdm(range(cfg.num_hidden_layers), desc="gptq", unit="layer", disable=not progress):
         prefix = f"model.layers.{i}."
@@ -141,7 +143,8 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
     head.weight = torch.nn.Parameter(reader.get(head_name), requires_grad=False)
     hessian = torch.zeros(cfg.hidden_size, cfg.hidden_size)
     hessian_update(hessian, x)
-    quantize_linear("lm_head", head, hessian)
+    del x
+    quantize_linear("lm_head", head, hessian, update=False)
     return out
 
 

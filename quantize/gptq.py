@@ -30,35 +30,45 @@ def _grid(fmt: Format):
 
 
 def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: Format, damp: float = 0.01,
-                act_order: bool = False) -> dict[str, torch.Tensor]:
+                act_order: bool = False, chunk_rows: int = 4096) -> dict[str, torch.Tensor]:
     """Quantize weight [N, K] given the Hessian [K, K] of its inputs; returns the stored tensors of
-    `fmt` (as quantize.convert.quantize_weight does for RTN)."""
+    `fmt` (as quantize.convert.quantize_weight does for RTN). Rows are independent given H, so they
+    are done chunk_rows at a time: an lm_head of 150k rows never needs more than a chunk's copies."""
     if fmt.scheme != "int":
         raise QliteError(f"GPTQ makes qlite's int formats, not {fmt.name}")
-    W = weight.float().clone()
-    H = hessian.float().clone()
-    N, K = W.shape
+    K = weight.shape[1]
     G = fmt.group_size or K
     if G != K and BLOCK % G and G % BLOCK:
         raise QliteError(f"--group-size {G}: GPTQ needs a group size that divides {BLOCK} or is a multiple of it")
-    params, lo, hi = _grid(fmt)
-    scale = torch.zeros(N, K // G)
-    zero = torch.zeros(N, K // G)
-
+    H = hessian.float().clone()
     dead = torch.diag(H) == 0  # inputs that are always zero: any value works, pick 0
     H[dead, dead] = 1
-    W[:, dead] = 0
-    if act_order:  # static groups: every group's grid from the original weights, fixed up front
-        scale[:], zero[:] = params(W.reshape(N, K // G, G))  # (N, groups)
-        perm = torch.argsort(torch.diag(H), descending=True)
-    else:
-        perm = torch.arange(K)
-    W, H = W[:, perm], H[perm][:, perm]
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
+    H = H[perm][:, perm]
     H.diagonal().add_(damp * torch.diag(H).mean())
     try:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except torch.linalg.LinAlgError:
         raise QliteError(f"GPTQ: the Hessian is not positive definite even with --damp {damp}; raise --damp") from None
+    parts = [_gptq_rows(weight[r:r + chunk_rows], Hinv, perm, dead, fmt, act_order)
+             for r in range(0, weight.shape[0], chunk_rows)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, fmt: Format,
+               act_order: bool) -> dict[str, torch.Tensor]:
+    """The column-by-column pass for some rows; Hinv is the upper Cholesky factor of the inverse of
+    the (permuted, damped) Hessian."""
+    W = weight.float().clone()
+    N, K = W.shape
+    G = fmt.group_size or K
+    params, lo, hi = _grid(fmt)
+    scale = torch.zeros(N, K // G)
+    zero = torch.zeros(N, K // G)
+    W[:, dead] = 0
+    if act_order:  # static groups: every group's grid from the original weights, fixed up front
+        scale[:], zero[:] = params(W.reshape(N, K // G, G))  # (N, groups)
+    W = W[:, perm]
 
     Q = torch.zeros_like(W)  # integer codes, in permuted column order
     for i1 in range(0, K, BLOCK):
@@ -78,7 +88,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: Format, damp: 
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's errors, passed on to the later columns at once
-
+    del W
     codes_orig = torch.empty_like(Q)
     codes_orig[:, perm] = Q  # back to the original column order
     if fmt.bits == 8:

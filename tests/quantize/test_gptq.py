@@ -46,7 +46,7 @@ def test_gptq_output_error_is_lower_than_rtn(fmt, act_order):
     ref = x @ w.t()
     err = lambda stored: ((x @ dequantized(stored, fmt, n_out, k).t() - ref).norm() / ref.norm()).item()
     rtn, gptq = err(quantize_weight(w, fmt)), err(gptq_linear(w, h, fmt, act_order=act_order))
-    assert gptq < 0.9 * rtn, (gptq, rtn)  # measured 0.55-0.81 of RTN across these cases
+    assert gptq < 0.9 * rtn, (gptq, rtn)  # GPTQ measured at 0.81 of RTN or lower here
 
 
 def test_dead_inputs_and_bad_group():
