@@ -61,13 +61,15 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetiti
     params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
     from .generate import stream_text
+    generated = []
     t1 = time.perf_counter()
-    for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids):
+    for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append):
         click.echo(piece, nl=False)
     click.echo()
     if stats:
         dt = time.perf_counter() - t1
-        click.echo(f"load {load_s:.1f}s, prompt {len(ids)} tokens, {dt:.1f}s generating", err=True)
+        click.echo(f"load {load_s:.1f} s, prompt {len(ids)} tokens, {len(generated)} tokens generated in "
+                   f"{dt:.1f} s ({len(generated) / dt:.1f} tokens/s, prefill included)", err=True)
 
 
 @cli.command()

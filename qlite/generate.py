@@ -156,8 +156,16 @@ def detokenize(tokens: Iterable[int], tokenizer, eos_ids, stop: tuple[str, ...] 
         yield pending
 
 
-def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids) -> Iterator[str]:
-    """Yield the completion's text as it is generated, ending before any eos or stop string."""
+def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids,
+                on_token=None) -> Iterator[str]:
+    """Yield the completion's text as it is generated, ending before any eos or stop string.
+    on_token, if given, is called with each generated token id (for counting)."""
     pad = tokenizer.pad_token_id or 0
-    tokens = (int(t[0]) for t in generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=pad))
-    return detokenize(tokens, tokenizer, eos_ids, params.stop)
+
+    def tokens():
+        for t in generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=pad):
+            if on_token is not None:
+                on_token(int(t[0]))
+            yield int(t[0])
+
+    return detokenize(tokens(), tokenizer, eos_ids, params.stop)
