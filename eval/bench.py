@@ -188,6 +188,7 @@ def markdown(rows: list[dict], header: str) -> str:
 @click.command()
 @click.argument("model_dirs", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
+@click.option("--fp32", is_flag=True, help="also run qlite on the first dir in float32")
 @click.option("--gguf", multiple=True, type=click.Path(path_type=Path), help="also run llama.cpp on this GGUF")
 @click.option("--llama-cpp-from", type=click.Path(path_type=Path),
               help="make f16, Q8_0 and Q4_0 GGUFs from this GGUF (cached beside it) and run llama.cpp on each")
@@ -198,7 +199,7 @@ def markdown(rows: list[dict], header: str) -> str:
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, json_path,
+def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, json_path,
          child):
     if child:
         spec = json.loads(child)
@@ -206,6 +207,9 @@ def main(model_dirs, hf, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeat
         return
     common = dict(prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads)
     jobs = [(d.name, {"engine": "qlite", "path": str(d), **common}) for d in model_dirs]
+    if fp32:
+        jobs.insert(1, (f"{model_dirs[0].name} fp32", {"engine": "qlite", "path": str(model_dirs[0]),
+                                                        "dtype": "float32", **common}))
     for dt in filter(None, hf.split(",")):
         jobs.append((f"{model_dirs[0].name} {dt}", {"engine": "transformers", "path": str(model_dirs[0]),
                                                      "dtype": dt, **common}))

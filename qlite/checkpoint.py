@@ -83,6 +83,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     dev = resolve_device(device)
+    large_allocations_from_mmap()
     float_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
@@ -115,6 +116,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         prepare_for_kernel(model, kernel=kernel, dtype=float_dtype)
     release_freed_memory()
     return model.eval()
+
+
+def large_allocations_from_mmap() -> None:
+    """Make glibc serve every allocation over 1 MiB with its own mapping, returned to the OS when
+    freed. By default glibc raises that threshold after the first large free, and loading's
+    conversion temporaries then fragment the heap into resident memory that is never used again."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def release_freed_memory() -> None:
