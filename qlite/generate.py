@@ -98,8 +98,8 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
     positions = (key_mask[:, :L].long().cumsum(-1) - 1).clamp(min=0)  # (B, L): real tokens count from 0
     seen = None
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros((B, model.config.vocab_size), dtype=torch.bool, device=dev)
-        seen.scatter_(1, ids, key_mask[:, :L])
+        counts = torch.zeros((B, model.config.vocab_size), dtype=torch.long, device=dev)
+        seen = counts.scatter_add_(1, ids, key_mask[:, :L].long()) > 0  # padding counts for nothing
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=dev).manual_seed(params.seed)

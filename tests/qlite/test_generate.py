@@ -85,3 +85,12 @@ def test_stream_text_is_the_decoded_greedy_tokens(tiny_ckpt):
     ids = [int(t[0]) for t in generate_tokens(model, [prompt], params, eos_ids=())]
     text = "".join(stream_text(model, tok, prompt, params, eos_ids=()))
     assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_repetition_penalty_sees_real_tokens_only_in_a_padded_batch(tiny_ckpt):
+    model = load_model(tiny_ckpt, dtype="float32")
+    params = SamplingParams(max_new_tokens=6, repetition_penalty=1.5)
+    prompts = [[7, 0], [9, 10, 11, 12, 13]]  # token 0 is also the pad id: the first prompt really contains it
+    batch = torch.stack(list(generate_tokens(model, prompts, params, eos_ids=(), pad_id=0)), dim=1)
+    for row, p in enumerate(prompts):
+        assert batch[row].tolist() == [int(t[0]) for t in generate_tokens(model, [p], params, eos_ids=())]
