@@ -9,7 +9,7 @@ import torch
 from .config import Qwen2Config, load_config
 from .errors import QliteError
 from .model import Qwen2ForCausalLM
-from .safetensors_io import checkpoint_files
+from .safetensors_io import tensor_index
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,30 +49,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def read_tensors(model_dir: Path, expected: dict[str, torch.Size], convert):
-    """Yield (name, converted tensor) for every tensor in the checkpoint, checking names and shapes."""
-    from safetensors import SafetensorError, safe_open
+    """Yield (name, converted tensor) for every tensor in the checkpoint. Names and shapes are all
+    checked from the headers before any data is read. Each tensor is read through its own mapping
+    of the file, dropped with it: the pages read for a converted tensor do not stay resident."""
+    from safetensors import safe_open
 
-    seen = set()
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name not in expected:
-                        raise QliteError(f"{path}: unexpected tensor {name}")
-                    t = f.get_tensor(name)
-                    if t.shape != expected[name]:
-                        raise QliteError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
-                                         f"the config implies {tuple(expected[name])}")
-                    seen.add(name)
-                    yield name, convert(name, t)
-        except SafetensorError as e:
-            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
-        except FileNotFoundError:
-            raise QliteError(f"{path}: not found") from None
-    missing = sorted(set(expected) - seen)
+    index = tensor_index(model_dir)
+    for path, name, _, shape in index:
+        if name not in expected:
+            raise QliteError(f"{path}: unexpected tensor {name}")
+        if shape != tuple(expected[name]):
+            raise QliteError(f"{path}: tensor {name} has shape {shape}, the config implies {tuple(expected[name])}")
+    missing = sorted(set(expected) - {name for _, name, _, _ in index})
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise QliteError(f"{model_dir}: missing tensor {missing[0]}{more}")
+    for path, name, _, _ in index:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            t = f.get_tensor(name)
+        yield name, convert(name, t)
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
