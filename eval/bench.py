@@ -155,14 +155,35 @@ def measure(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def decode_bytes(spec: dict) -> int:
+    """Weight bytes one decode step reads: every tensor but the embedding (one row of it is read),
+    at the dtype the engine runs them in."""
+    path = Path(spec["path"])
+    if spec["engine"] == "llama.cpp":
+        from gguf import GGUFReader
+        return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
+    from qlite.config import load_config
+    from qlite.info import nbytes, tensor_headers
+    tied_float_head = load_config(path).tie_word_embeddings and not any(
+        n.startswith("lm_head.") for n, _, _ in tensor_headers(path))
+    run_fp32 = spec.get("dtype") in ("float32", "fp32")
+    total = 0
+    for name, dtype, shape in tensor_headers(path):
+        if name == "model.embed_tokens.weight" and not tied_float_head:
+            continue
+        total += nbytes(dtype, shape) * (2 if run_fp32 and dtype in ("F16", "BF16") else 1)
+    return total
+
+
 def size_on_disk(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def summarize(label: str, spec: dict, result: dict) -> dict:
-    row = {"name": label, "engine": spec["engine"], "size_mib": size_on_disk(Path(spec["path"])) / 2**20}
+def summarize(label: str, spec: dict, result: dict, bandwidth: float) -> dict:
+    cap = bandwidth / decode_bytes(spec)
+    row = {"name": label, "engine": spec["engine"], "size_mib": size_on_disk(Path(spec["path"])) / 2**20, "cap": cap}
     if "error" in result:
         return {**row, "error": result["error"]}
     for key in ("prefill_tps", "decode_tps", "ttft_s"):
@@ -172,16 +193,28 @@ def summarize(label: str, spec: dict, result: dict) -> dict:
     return row
 
 
-def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| model | engine | decode tok/s | prefill tok/s | TTFT s | load s | RSS above torch MiB "
-             "| peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwidth: float) -> str:
+    lines = [header, "", "| model | engine | decode tok/s | share of cap | prefill tok/s | TTFT s | load s "
+             "| RSS above torch MiB | peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | | |")
             continue
         f = lambda k, p=1: f"{r[k][0]:.{p}f} ({r[k][1]:.{p}f}-{r[k][2]:.{p}f})"
-        lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {f('prefill_tps')} | {f('ttft_s', 2)} "
-                     f"| {r['load_s']:.1f} | {r['rss_mib']:.0f} | {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
+        lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {r['decode_tps'][0] / r['cap']:.0%} of "
+                     f"{r['cap']:.0f} | {f('prefill_tps')} | {f('ttft_s', 2)} | {r['load_s']:.1f} | {r['rss_mib']:.0f} "
+                     f"| {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
+    lines += ["", f"Cap: {bandwidth / 1e9:.0f} GB/s of memory bandwidth over the weight bytes one decode step reads "
+              "(all but the embedding, at the dtype the engine runs). Resident memory is measured after the "
+              "runs, above a bare `import torch` in the same process (the tokenizer included)."]
+    by_name = {r["name"]: r for r in rows if "error" not in r}
+    if pairs:
+        lines += ["", "| ratio (median decode, median prefill) | decode | prefill |", "|---|---|---|"]
+        for a, b in pairs:
+            if a in by_name and b in by_name:
+                ra, rb = by_name[a], by_name[b]
+                lines.append(f"| {a} / {b} | {ra['decode_tps'][0] / rb['decode_tps'][0]:.2f} "
+                             f"| {ra['prefill_tps'][0] / rb['prefill_tps'][0]:.2f} |")
     return "\n".join(lines)
 
 
@@ -197,10 +230,12 @@ def markdown(rows: list[dict], header: str) -> str:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=os.cpu_count(), show_default=True)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
+@click.option("--pair", "pairs", multiple=True, help="NAME_A=NAME_B: print A's speed over B's (repeatable)")
+@click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, json_path,
-         child):
+def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, pairs,
+         bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
         print(json.dumps(RUNNERS[spec["engine"]](spec)))
@@ -219,10 +254,10 @@ def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, 
     rows = []
     for label, spec in jobs:
         click.echo(f"bench {label} ({spec['engine']})", err=True)
-        rows.append(summarize(label, spec, measure(spec)))
+        rows.append(summarize(label, spec, measure(spec), bandwidth_gbs * 1e9))
     header = (f"{threads} threads, prompt {prompt_tokens} tokens, {new_tokens} new tokens greedy, "
               f"median (min-max) of {repeats} runs, {time.strftime('%Y-%m-%d')}")
-    table = markdown(rows, header)
+    table = markdown(rows, header, [tuple(p.split("=", 1)) for p in pairs], bandwidth_gbs * 1e9)
     click.echo(table)
     if md_path:
         md_path.write_text(table + "\n")
