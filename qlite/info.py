@@ -11,7 +11,7 @@ from .errors import QliteError
 from .safetensors_io import tensor_index
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(weight|qweight|scales|zeros|bias)")
+DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(weight|qweight|scales|zeros|absmax|scb)")
 
 
 def tensor_headers(model_dir: Path) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -27,7 +27,7 @@ def decoder_linear_bits_per_weight(cfg, headers) -> float:
     """Stored bits (codes, scales, zero points; not biases) per weight of the decoder's linears."""
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     weights = cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * i)
-    stored = sum(nbytes(d, s) for n, d, s in headers if DECODER_LINEAR.fullmatch(n) and not n.endswith(".bias"))
+    stored = sum(nbytes(d, s) for n, d, s in headers if DECODER_LINEAR.fullmatch(n))
     return 8 * stored / weights
 
 

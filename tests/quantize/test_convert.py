@@ -141,7 +141,9 @@ def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):
 def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):
     assert main(["quantize", str(src), "--format", "nf4", "--out", str(tmp_path / "nf4")]) == 0
     assert main(["info", str(tmp_path / "nf4")]) == 0
-    assert "format         bnb nf4-b64, lm_head 16-bit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "format         bnb nf4-b64, lm_head 16-bit" in out
+    assert "decoder linears 4.500 bits per weight" in out  # absmax counted: 4 + 32/64
     assert main(["generate", "-m", str(tmp_path / "nf4"), "-p", "the thin", "--max-new-tokens", "3"]) == 0
 
 
