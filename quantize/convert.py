@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from qlite.checkpoint import large_allocations_from_mmap
 from qlite.config import Qwen2Config, read_json
 from qlite.errors import QliteError
 from qlite.memory import PeakAnonSampler, peak_rss_bytes
@@ -102,6 +103,7 @@ def convert(src: str | Path, out: str | Path | None = None, bits: int = 4, group
     transformers does for them); `weights` may supply already-quantized tensors by name (GPTQ does).
     Others are quantized by RTN."""
     t0 = time.perf_counter()
+    large_allocations_from_mmap()  # freed tensors go back to the OS at once: memory stays one tensor deep
     src = Path(src).resolve() if Path(src).exists() else Path(src)
     if not src.is_dir():
         raise QliteError(f"{src}: not a directory")
