@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Qwen2Config, load_config
+from .config import load_config
 from .errors import QliteError
 from .model import Qwen2ForCausalLM
 from .safetensors_io import tensor_index

@@ -7,7 +7,6 @@ from collections import Counter
 from pathlib import Path
 
 from .config import load_config
-from .errors import QliteError
 from .safetensors_io import tensor_index
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

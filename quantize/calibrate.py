@@ -133,7 +133,6 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
             for n in group:
                 quantize_linear(prefix + n, modules[n], hessian)
         x = run_batched(lambda xb: layer(xb, cos, sin, None, 0, None), x)  # the quantized layer's outputs
-        del layer, modules
 
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.weight.copy_(reader.get("model.norm.weight"))

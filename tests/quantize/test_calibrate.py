@@ -3,7 +3,6 @@ better than RTN does."""
 import json
 
 import pytest
-import torch
 
 from eval.run import evaluate
 from qlite.checkpoint import load_model
