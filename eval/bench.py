@@ -20,9 +20,6 @@ from pathlib import Path
 
 import click
 
-PROMPT_SEED_TEXT = "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n"
-
-
 def _prompt_ids(tokenize, n: int) -> list[int]:
     """A deterministic prompt of exactly n tokens: the eval code text, cut."""
     from eval.data import load_text

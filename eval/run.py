@@ -57,14 +57,15 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
     base_cfg = load_config(baseline)
     if ctx > base_cfg.max_position_embeddings:
         raise QliteError(f"--ctx {ctx}: longer than the model's context {base_cfg.max_position_embeddings}")
+    base_tokenizer = _file_hash(baseline / "tokenizer.json")
     for d in model_dirs:
         cfg = load_config(d)
-        if cfg.vocab_size != base_cfg.vocab_size or \
-                _file_hash(d / "tokenizer.json") != _file_hash(baseline / "tokenizer.json"):
+        if cfg.vocab_size != base_cfg.vocab_size or _file_hash(d / "tokenizer.json") != base_tokenizer:
             raise QliteError(f"{d}: its tokenizer differs from the baseline's ({baseline}); "
                              "the models must score the same tokens")
     base = load_model(baseline, dtype=baseline_dtype)
     models = [(d, load_model(d, dtype=dtype)) for d in model_dirs]
+    described = {d: describe_model(d) for d in model_dirs}
     rows = []
     for source in data:
         chunks = chunk_tokens(tokenizer.encode(load_text(source)), ctx, max_chunks)
@@ -77,8 +78,7 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
                 fidelity[d].add(token_stats(base_logp, model(ids)[0, :-1], targets))
             del base_logp
         for d in model_dirs:
-            fmt, bpw, size = describe_model(d)
-            rows.append(Row(d.name, fmt, bpw, size, source, fidelity[d].summary()))
+            rows.append(Row(d.name, *described[d], source, fidelity[d].summary()))
     return rows
 
 
