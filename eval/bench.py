@@ -146,7 +146,7 @@ def llama_cpp_variants(src_gguf: Path, out_dir: Path, types=("f16", "q8_0", "q4_
 def measure(spec: dict) -> dict:
     """Run one spec in a fresh process; returns its figures (or an error)."""
     r = subprocess.run([sys.executable, "-m", "eval.bench", "--child", json.dumps(spec)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env={**os.environ, **spec.get("env", {})})
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -219,6 +219,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.argument("model_dirs", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
 @click.option("--fp32", is_flag=True, help="also run qlite on the first dir in float32")
+@click.option("--torch-kernels", is_flag=True, help="also run each dir with QLITE_NATIVE=0 (torch's own kernels)")
 @click.option("--gguf", multiple=True, type=click.Path(path_type=Path), help="also run llama.cpp on this GGUF")
 @click.option("--llama-cpp-from", type=click.Path(path_type=Path),
               help="make f16, Q8_0 and Q4_0 GGUFs from this GGUF (cached beside it) and run llama.cpp on each")
@@ -231,7 +232,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, pairs,
+def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, pairs,
          bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
@@ -242,6 +243,9 @@ def main(model_dirs, hf, fp32, gguf, llama_cpp_from, prompt_tokens, new_tokens, 
     if fp32:
         jobs.insert(1, (f"{model_dirs[0].name} fp32", {"engine": "qlite", "path": str(model_dirs[0]),
                                                         "dtype": "float32", **common}))
+    if torch_kernels:
+        jobs += [(f"{d.name} torch-kernels", {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common})
+                 for d in model_dirs]
     for dt in filter(None, hf.split(",")):
         jobs.append((f"{model_dirs[0].name} {dt}", {"engine": "transformers", "path": str(model_dirs[0]),
                                                      "dtype": dt, **common}))

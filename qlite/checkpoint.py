@@ -109,6 +109,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     if quantized:
         from .qlinear import prepare_for_kernel
         prepare_for_kernel(model, kernel=kernel, dtype=float_dtype)
+    if kernel in ("auto", "native"):
+        from .kernels import use_native_dense
+        use_native_dense(model)
     release_freed_memory()
     return model.eval()
 

@@ -4,6 +4,9 @@
 - aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (they are 10-70x slower fed
   float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
   (weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
+- native (CPU with AVX-512 BF16): qlite's own kernels (native.py) on the canonical buffers as stored:
+  a matrix-vector product for decoding (up to MAX_ROWS rows), and for more rows (prefill) the weight
+  dequantized to bf16 and one bf16 matmul. No repacking, so memory holds the checkpoint's bytes.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU.
 A kernel's `prepare` replaces the canonical buffers by its own (so memory holds one copy)."""
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .formats import unpack_int4
 
@@ -90,6 +94,80 @@ class AtenInt4:
         return _bias(y, layer)
 
 
+class NativeInt8:
+    name = "native-int8"
+
+    @staticmethod
+    def supports(layer) -> bool:
+        from . import native
+        groups = layer.scales.shape[1]
+        return (layer.fmt.scheme == "int" and layer.fmt.bits == 8 and layer.qweight.device.type == "cpu"
+                and (layer.in_features // groups) % 32 == 0 and groups <= native.MAX_GROUPS
+                and native.library() is not None)
+
+    @staticmethod
+    def prepare(layer) -> None:
+        _prepare_native(layer)
+
+    @staticmethod
+    def forward(layer, x):
+        from . import native
+        if x.numel() // layer.in_features <= native.MAX_ROWS:
+            return native.gemv_int8(x, layer.qweight, layer.scales, layer.bias32).to(x.dtype)
+        return _bias(F.linear(x.to(torch.bfloat16), native.dequantize_int8(layer.qweight, layer.scales)).to(x.dtype), layer)
+
+
+class NativeInt4:
+    name = "native-int4"
+
+    @staticmethod
+    def supports(layer) -> bool:
+        from . import native
+        return (layer.fmt.scheme == "int" and layer.fmt.bits == 4 and layer.fmt.group_size % 64 == 0
+                and layer.in_features % layer.fmt.group_size == 0 and layer.qweight.device.type == "cpu"
+                and layer.scales.shape[1] <= native.MAX_GROUPS and native.library() is not None)
+
+    @staticmethod
+    def prepare(layer) -> None:
+        _prepare_native(layer)
+
+    @staticmethod
+    def forward(layer, x):
+        from . import native
+        if x.numel() // layer.in_features <= native.MAX_ROWS:
+            return native.gemv_int4(x, layer.qweight, layer.scales, layer.zeros, layer.bias32).to(x.dtype)
+        w = native.dequantize_int4(layer.qweight, layer.scales, layer.zeros)  # (N, K) bf16, this call only
+        return _bias(F.linear(x.to(torch.bfloat16), w).to(x.dtype), layer)
+
+
+def _prepare_native(layer) -> None:
+    for name, buf in list(layer.named_buffers()):
+        setattr(layer, name, buf.contiguous())
+    layer.bias32 = None if layer.bias is None else layer.bias.detach().float().contiguous()
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear whose few-row products with a bf16 CPU weight go through native.gemv_bf16."""
+
+    def forward(self, x):
+        from . import native
+        if x.numel() // self.in_features <= native.MAX_ROWS:
+            return native.gemv_bf16(x, self.weight, self.bias32).to(x.dtype)
+        return super().forward(x)
+
+
+def use_native_dense(model: nn.Module) -> None:
+    """Turn the bf16 CPU nn.Linear layers of a loaded model into DenseLinear (same parameters)."""
+    from . import native
+    if native.library() is None:
+        return
+    for mod in model.modules():
+        if (type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu"
+                and mod.weight.is_contiguous() and mod.in_features % 64 == 0):
+            mod.__class__ = DenseLinear
+            mod.bias32 = None if mod.bias is None else mod.bias.detach().float().contiguous()
+
+
 class BnbNF4:
     name = "bnb-nf4"
 
@@ -134,8 +212,8 @@ class BnbInt8:
         return _bias(y.to(x.dtype), layer)
 
 
-KERNELS = {"reference": [Reference], "aten": [AtenInt8, AtenInt4], "bnb": [BnbNF4, BnbInt8],
-           "auto": [AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference]}
+KERNELS = {"reference": [Reference], "native": [NativeInt8, NativeInt4], "aten": [AtenInt8, AtenInt4],
+           "bnb": [BnbNF4, BnbInt8], "auto": [NativeInt8, NativeInt4, AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference]}
 
 
 def choose_kernel(layer, kernel: str):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .config import Qwen2Config
 
 
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16 and native.bf16_ready(x):
+            return native.rmsnorm(x, self.weight, self.eps)  # the same computation, one call
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -70,8 +73,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache_kv, start: int, mask):
+    def forward(self, x, cos, sin, cache_kv, start: int, mask, native_decode: bool = False):
         B, T, _ = x.shape
+        if native_decode:  # one token, one sequence: rotary, cache update and attention in one call
+            y = native.decode_attention(self.qkv_proj(x), cos, sin, cache_kv[0][0], cache_kv[1][0], self.n_head, start)
+            return self.o_proj(y.view(B, T, -1))
         if hasattr(self, "qkv_proj"):  # fused at load (fuse.py): one matmul instead of three
             q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
                                               self.n_kv * self.head_dim], dim=-1)
@@ -101,7 +107,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):  # fused at load (fuse.py)
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if native.bf16_ready(gate_up):
+                return self.down_proj(native.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -115,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache_kv, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_kv, start, mask)
+    def forward(self, x, cos, sin, cache_kv, start, mask, native_decode=False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_kv, start, mask, native_decode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,6 +170,10 @@ class Qwen2ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     @property
+    def fused_attention(self) -> bool:
+        return all(hasattr(layer.self_attn, "qkv_proj") for layer in self.model.layers)
+
+    @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
@@ -180,10 +193,12 @@ class Qwen2ForCausalLM(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         mask = attention_mask(T, start, key_mask, input_ids.device)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        cos, sin = self.model.rotary(positions, x.dtype)
+        native_decode = (B == 1 and T == 1 and mask is None and cache is not None and self.fused_attention
+                         and native.bf16_ready(cache.k))
+        cos, sin = self.model.rotary(positions, torch.float32 if native_decode else x.dtype)
         for i, layer in enumerate(self.model.layers):
             cache_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, cos, sin, cache_kv, start, mask)
+            x = layer(x, cos, sin, cache_kv, start, mask, native_decode)
         if cache is not None:
             cache.length += T
         if last_only:

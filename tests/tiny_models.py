@@ -14,6 +14,8 @@ CONFIGS = {
     "mha": dict(TINY, num_attention_heads=4, num_key_value_heads=4),
     "tied": dict(TINY, tie_word_embeddings=True),
 }
+# widths the native kernels take (head_dim 64, every input width a multiple of 128)
+NATIVE_WIDTHS = dict(TINY, hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"

@@ -1,0 +1,335 @@
+/* qlite's CPU kernels for x86 with AVX-512 BF16 (loaded by native.py).
+ *
+ * Matrix-vector products for decoding: y[m, n] = sum_k x[m, k] w[n, k] for a few rows m of
+ * activations (bf16 in, bf16 or fp32 out), reading each weight once.
+ * Weights stay in qlite's canonical layouts (formats.py), so nothing is repacked:
+ *   bf16:  w bf16 [N, K]
+ *   int8:  w int8 [N, K], scales fp16 [N, G]                      w = q * s
+ *   int4:  w uint8 [N, K/2] (k even: low nibble), scales fp16 [N, G], zeros uint8 [N, G]
+ *          w = (q - z) * s; a nibble q becomes the bf16 number 128 + q by OR-ing in 0x4300, so a
+ *          group's dot product is sum (128 + q) x - (128 + z) sum x (each product exact in fp32).
+ * Four weight rows at a time (independent accumulator chains, activations loaded once);
+ * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
+ * The dequantize_* functions write bf16 weights for the many-row case (prefill), where a bf16 matmul wins.
+ * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
+ * and rotary + KV-cache write + attention for one token.
+ * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__))
+int qlite_gemv_abi(void) { return 0; }
+#else
+#include <immintrin.h>
+
+#define ROWS 4
+#ifndef AHEAD
+#define AHEAD 8  /* prefetch the weights this many rows ahead */
+#endif
+#define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static inline void store(void *y, int out_bf16, long i, float v) {
+    if (out_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v); else ((float *)y)[i] = v;
+}
+
+int qlite_gemv_abi(void) { return 1; }
+
+/* ---- bf16 weights ------------------------------------------------------------------------- */
+static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, const uint16_t *w, long K, int nrows, float *out) {
+    __m512 acc[ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 64) {
+        __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k), x1 = (__m512bh)_mm512_loadu_si512(x + k + 32);
+        for (int r = 0; r < nrows; r++) {
+            const uint16_t *wr = w + r * K + k;
+            _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + AHEAD * K + 32), _MM_HINT_T0);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(wr), x0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(wr + 32), x1);
+        }
+    }
+    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
+                     void *y, int out_bf16, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) bf16_rows(x + m * K, w + n * K, K, ROWS, out); else bf16_rows(x + m * K, w + n * K, K, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+}
+
+/* ---- int8 weights ------------------------------------------------------------------------- */
+static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
+    long gsize = K / G;
+    __m512 total[ROWS];
+    for (int r = 0; r < ROWS; r++) total[r] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        __m512 acc[ROWS][2];
+        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (long k = g * gsize; k < (g + 1) * gsize; k += 32) {
+            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            for (int r = 0; r < nrows; r++) {
+                const int8_t *wr = w + r * K + k;
+                _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
+                acc[r][0] = _mm512_fmadd_ps(w0, x0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, x1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < nrows; r++) {
+            float s = _cvtsh_ss(scales[r * G + g]);
+            total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
+        }
+    }
+    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t *scales, long G, long N, long K,
+                     const float *bias, void *y, int out_bf16, int threads) {
+    float *xf = malloc(sizeof(float) * M * K);  /* activations in fp32, read by every row */
+    for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, ROWS, out); else int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xf);
+}
+
+/* ---- int4 weights ------------------------------------------------------------------------- */
+/* xe/xo: the even and odd activations of one row (bf16, K/2 each); xsum: each group's sum of x */
+static inline __attribute__((always_inline)) void int4_rows(
+        const uint16_t *xe, const uint16_t *xo, const float *xsum, const uint8_t *w, const uint16_t *scales,
+        const uint8_t *zeros, long K, long G, int nrows, float *out) {
+    long gbytes = K / G / 2;
+    const __m512i low = _mm512_set1_epi16(0x0f), magic = _mm512_set1_epi16(0x4300);  /* bf16 128.0 */
+    float s32[ROWS][MAX_GROUPS];
+    __m512 total[ROWS], corr[ROWS];
+    for (int r = 0; r < nrows; r++) {  /* scales to fp32; corr = sum_g s (128 + z) xsum */
+        total[r] = corr[r] = _mm512_setzero_ps();
+        for (long g = 0; g < G; g += 16) {
+            __mmask16 m = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
+            __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scales + r * G + g));
+            __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, zeros + r * G + g)));
+            _mm512_mask_storeu_ps(s32[r] + g, m, sv);
+            __m512 t = _mm512_mul_ps(sv, _mm512_add_ps(zv, _mm512_set1_ps(128.f)));
+            corr[r] = _mm512_fmadd_ps(t, _mm512_maskz_loadu_ps(m, xsum + g), corr[r]);
+        }
+    }
+    for (long g = 0; g < G; g++) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < nrows; r++) acc[r] = _mm512_setzero_ps();
+        for (long b = g * gbytes; b < (g + 1) * gbytes; b += 32) {  /* 32 bytes = 64 weights */
+            __m512bh xev = (__m512bh)_mm512_loadu_si512(xe + b), xov = (__m512bh)_mm512_loadu_si512(xo + b);
+            for (int r = 0; r < nrows; r++) {
+                const uint8_t *wr = w + r * K / 2 + b;
+                _mm_prefetch((const char *)(wr + AHEAD * K / 2), _MM_HINT_T0);
+                __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)wr));
+                __m512i lo = _mm512_ternarylogic_epi32(bytes, low, magic, 0xEA);  /* (a & b) | c */
+                __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), magic);
+                acc[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r], (__m512bh)lo, xev), (__m512bh)hi, xov);
+            }
+        }
+        for (int r = 0; r < nrows; r++) total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s32[r][g]), acc[r], total[r]);
+    }
+    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]) - _mm512_reduce_add_ps(corr[r]);
+}
+
+void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t *scales, const uint8_t *zeros,
+                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    long half = K / 2, gsize = K / G;
+    uint16_t *xe = malloc(sizeof(uint16_t) * M * K);  /* (M, 2, K/2): even then odd activations */
+    float *xsum = malloc(sizeof(float) * M * G);
+    for (long m = 0; m < M; m++) {
+        for (long i = 0; i < half; i++) {
+            xe[m * K + i] = x[m * K + 2 * i];
+            xe[m * K + half + i] = x[m * K + 2 * i + 1];
+        }
+        for (long g = 0; g < G; g++) {
+            float s = 0.f;
+            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
+            xsum[m * G + g] = s;
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, scales + n * G, zeros + n * G,
+                      K, G, ROWS, out); else int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, scales + n * G, zeros + n * G,
+                      K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xe);
+    free(xsum);
+}
+
+/* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
+void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, uint16_t *out,
+                           int threads) {
+    long gsize = K / G;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k += 16) {
+            __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[n * G + k / gsize]));
+            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + n * K + k))));
+            _mm256_storeu_si256((__m256i *)(out + n * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, s)));
+        }
+}
+
+void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, long G, long N, long K,
+                           uint16_t *out, int threads) {
+    long gsize = K / G;
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    const __m512i idx_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i idx_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
+            long g = n * G + k / gsize;
+            __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[g])), z = _mm512_set1_ps((float)zeros[g]);
+            __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));  /* k even */
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));  /* k odd */
+            __m512 a = _mm512_mul_ps(_mm512_sub_ps(lo, z), s), b = _mm512_mul_ps(_mm512_sub_ps(hi, z), s);
+            /* back to k order: a0 b0 a1 b1 ... */
+            __m512 v0 = _mm512_permutex2var_ps(a, idx_lo, b), v1 = _mm512_permutex2var_ps(a, idx_hi, b);
+            _mm512_storeu_si512(out + n * K + k, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+}
+
+/* ---- the small ops of a decode step -------------------------------------------------------- */
+static inline __m512 exp512(__m512 x) {  /* e^x, relative error ~1e-7; 0 below -87 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);  /* r = x - n ln2, in two parts */
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 round_bf16(__m512 v) {  /* v rounded to bf16, as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* rows of x (bf16, n wide, n % 16 == 0) -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w), as torch computes it */
+void qlite_rmsnorm(const uint16_t *x, long rows, long n, const uint16_t *w, float eps, uint16_t *out) {
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        __m512 ss = _mm512_setzero_ps();
+        for (long i = 0; i < n; i += 16) { __m512 v = load_bf16(xr + i); ss = _mm512_fmadd_ps(v, v, ss); }
+        __m512 inv = _mm512_set1_ps(1.f / __builtin_sqrtf(_mm512_reduce_add_ps(ss) / n + eps));
+        for (long i = 0; i < n; i += 16) {
+            __m512 v = _mm512_mul_ps(round_bf16(_mm512_mul_ps(load_bf16(xr + i), inv)), load_bf16(w + i));
+            _mm256_storeu_si256((__m256i *)(out + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* rows of [gate | up] (bf16, 2n wide) -> bf16(bf16(silu(gate)) * up), n % 16 == 0 */
+void qlite_silu_mul(const uint16_t *gate_up, long rows, long n, uint16_t *out) {
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < n; i += 16) {
+            __m512 g = load_bf16(gate_up + r * 2 * n + i), u = load_bf16(gate_up + r * 2 * n + n + i);
+            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            __m512 v = _mm512_mul_ps(round_bf16(silu), u);
+            _mm256_storeu_si256((__m256i *)(out + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
+static inline void rope(const uint16_t *x, const float *cos, const float *sin, long hd, float scale, float *out) {
+    long half = hd / 2;  /* NeoX layout: x * cos + [-x2, x1] * sin */
+    for (long i = 0; i < half; i++) {
+        float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+        out[i] = (a * cos[i] - b * sin[i]) * scale;
+        out[i + half] = (b * cos[i + half] + a * sin[i + half]) * scale;
+    }
+}
+
+/* One new token of one sequence: rotate q and k (cos/sin of its position, fp32 [hd]), store k and v at
+ * position pos of the caches (bf16 [n_kv, capacity, hd]), attend over positions 0..pos; out: bf16
+ * [n_head * hd]. qkv: bf16 [(n_head + 2 n_kv) * hd], the fused projection's output. hd % 32 == 0. */
+void qlite_decode_attention(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *cache_k,
+                            uint16_t *cache_v, long n_head, long n_kv, long hd, long capacity, long pos,
+                            uint16_t *out, int threads) {
+    long rep = n_head / n_kv, S = pos + 1;
+    const uint16_t *q = qkv, *k = qkv + n_head * hd, *v = k + n_kv * hd;
+    float scale = 1.f / __builtin_sqrtf((float)hd);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long h = 0; h < n_kv; h++) {
+        uint16_t *K = cache_k + h * capacity * hd, *V = cache_v + h * capacity * hd;
+        float *buf = malloc(sizeof(float) * (rep * S + hd));
+        float *kr = buf + rep * S, *scores = buf;
+        rope(k + h * hd, cos, sin, hd, 1.f, kr);
+        for (long i = 0; i < hd; i++) { K[pos * hd + i] = f32_to_bf16(kr[i]); V[pos * hd + i] = v[h * hd + i]; }
+        for (long j = 0; j < rep; j++) {
+            long qh = h * rep + j;
+            float qr[hd];
+            rope(q + qh * hd, cos, sin, hd, scale, qr);
+            float *sc = scores + j * S, mx = -INFINITY;
+            for (long s = 0; s < S; s++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (long i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + i), load_bf16(K + s * hd + i), acc);
+                sc[s] = _mm512_reduce_add_ps(acc);
+                mx = sc[s] > mx ? sc[s] : mx;
+            }
+            __m512 sum = _mm512_setzero_ps();
+            long s = 0;
+            for (; s + 16 <= S; s += 16) {
+                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(mx)));
+                _mm512_storeu_ps(sc + s, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            if (s < S) {
+                __mmask16 m = (__mmask16)((1u << (S - s)) - 1);
+                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), _mm512_set1_ps(mx)));
+                _mm512_mask_storeu_ps(sc + s, m, e);
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+            }
+            float inv = 1.f / _mm512_reduce_add_ps(sum);
+            float o[hd];
+            for (long i = 0; i < hd; i += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (long t = 0; t < S; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), load_bf16(V + t * hd + i), acc);
+                _mm512_storeu_ps(o + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+            }
+            for (long i = 0; i < hd; i += 16)
+                _mm256_storeu_si256((__m256i *)(out + qh * hd + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + i)));
+        }
+        free(buf);
+    }
+}
+#endif

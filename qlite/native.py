@@ -1,0 +1,167 @@
+"""qlite's own CPU kernels (csrc/kernels.c): matrix-vector products for decoding that read bf16, int8
+and int4 weights in their canonical layouts, dequantization to bf16 for prefill, and the small ops of
+a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention). Compiled on first
+use with the system C compiler (-march=native, so only for the CPU it runs on) into qlite's cache,
+and loaded with ctypes; OpenMP comes from torch's own libgomp, already loaded. When there is no
+compiler, no AVX-512 BF16, or QLITE_NATIVE=0, `library()` is None and the aten kernels run instead."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
+MAX_GROUPS = 1024  # kernels.c's MAX_GROUPS
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+SIGNATURES = {
+    "qlite_gemv_bf16": [_P, _L, _P, _L, _L, _P, _P, _I, _I],
+    "qlite_gemv_int8": [_P, _L, _P, _P, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_gemv_int4": [_P, _L, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
+    "qlite_dequantize_int4": [_P, _P, _P, _L, _L, _L, _P, _I],
+    "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
+    "qlite_silu_mul": [_P, _L, _L, _P],
+    "qlite_decode_attention": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _I],
+}
+
+
+def cpu_flags() -> str:
+    try:
+        return next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(compiler: str, out_dir: Path) -> Path:
+    """Compile kernels.c into out_dir (atomically: a half-written library is never left there)."""
+    lib = out_dir / "libqlite_native.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], check=True, capture_output=True, timeout=300)
+        os.replace(tmp_lib, lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("QLITE_NATIVE", "1") == "0" or "avx512_bf16" not in cpu_flags():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    from .demo import cache_dir
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, cpu_flags(), torch.__version__]).encode())
+    try:
+        lib = ctypes.CDLL(str(build(compiler, cache_dir() / "native" / key.hexdigest()[:16])))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if lib.qlite_gemv_abi() != 1:
+        return None
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def _out(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """An output for (rows of x, n): bf16 when x is bf16, else float32; and the C flag for it."""
+    bf16 = x.dtype == torch.bfloat16
+    return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16 if bf16 else torch.float32), int(bf16)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> x @ weight.T + bias for bf16 weight [N, K]; bias32 float32 or None."""
+    N, K = weight.shape
+    xb = x.to(torch.bfloat16).contiguous()
+    y, out_bf16 = _out(x, N)
+    library().qlite_gemv_bf16(xb.data_ptr(), xb.numel() // K, weight.data_ptr(), N, K, _ptr(bias32), y.data_ptr(),
+                              out_bf16, torch.get_num_threads())
+    return y
+
+
+def gemv_int8(x, qweight, scales, bias32):
+    N, K = qweight.shape
+    xb = x.to(torch.bfloat16).contiguous()
+    y, out_bf16 = _out(x, N)
+    library().qlite_gemv_int8(xb.data_ptr(), xb.numel() // K, qweight.data_ptr(), scales.data_ptr(), scales.shape[1],
+                              N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
+    return y
+
+
+def gemv_int4(x, qweight, scales, zeros, bias32):
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    xb = x.to(torch.bfloat16).contiguous()
+    y, out_bf16 = _out(x, N)
+    library().qlite_gemv_int4(xb.data_ptr(), xb.numel() // K, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                              scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
+    return y
+
+
+def dequantize_int8(qweight, scales) -> torch.Tensor:
+    N, K = qweight.shape
+    out = torch.empty(N, K, dtype=torch.bfloat16)
+    library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, out.data_ptr(),
+                                    torch.get_num_threads())
+    return out
+
+
+def dequantize_int4(qweight, scales, zeros) -> torch.Tensor:
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    out = torch.empty(N, K, dtype=torch.bfloat16)
+    library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K,
+                                    out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def bf16_ready(x: torch.Tensor) -> bool:
+    """Whether the native bf16 ops can take x (bf16, on the CPU, rows a multiple of 32 wide)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 32 == 0 and library() is not None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 rows with a bf16 weight, rounded as torch rounds it (see model.RMSNorm)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    library().qlite_rmsnorm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for bf16 rows [gate | up]."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    library().qlite_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * n), n, out.data_ptr())
+    return out
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, n_head: int, pos: int) -> torch.Tensor:
+    """One token of one sequence: rotary q and k (cos/sin float32 [head_dim]), k and v stored at `pos`
+    of the caches (bf16 [n_kv, capacity, head_dim]), attention over 0..pos. Returns bf16 [n_head * head_dim]."""
+    n_kv, capacity, hd = cache_k.shape
+    assert cache_k.is_contiguous() and cache_v.is_contiguous() and qkv.numel() == (n_head + 2 * n_kv) * hd
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(n_head * hd, dtype=torch.bfloat16)
+    library().qlite_decode_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
+                                     cache_v.data_ptr(), n_head, n_kv, hd, capacity, pos, out.data_ptr(),
+                                     torch.get_num_threads())
+    return out

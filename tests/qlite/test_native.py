@@ -1,0 +1,168 @@
+"""qlite's native CPU kernels (native.py) against torch computing the same thing; skipped where the
+library cannot be built (no C compiler, or a CPU without AVX-512 BF16)."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qlite import native
+from qlite.checkpoint import load_model
+from qlite.formats import dequantize_int4, dequantize_int8, pack_int4
+from qlite.model import apply_rope
+from qlite.qlinear import QuantLinear
+from quantize.rtn import quantize_int4, quantize_int8
+from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_err(got, want):
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n", [1, 37, 256])  # a partial block of 4 rows, and none
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_bf16_matches_float32_matmul(rows, n, bias):
+    w = torch.randn(n, 192, generator=gen(0)).bfloat16()
+    x = torch.randn(rows, 192, generator=gen(1))  # float32 in, float32 out
+    b = torch.randn(n, generator=gen(2)) if bias else None
+    want = F.linear(x.bfloat16().float(), w.float(), b)  # the kernel reads x in bf16
+    assert rel_err(native.gemv_bf16(x, w, b), want) < 1e-5
+
+
+@pytest.mark.parametrize("group_size", [None, 32, 64])
+@pytest.mark.parametrize("rows, n", [(1, 37), (5, 256)])
+def test_gemv_int8_matches_dequantized_matmul(group_size, rows, n):
+    q, s = quantize_int8(torch.randn(n, 256, generator=gen(0)), group_size)
+    x = torch.randn(rows, 256, generator=gen(1))
+    b = torch.randn(n, generator=gen(2))
+    want = F.linear(x.bfloat16().float(), dequantize_int8(q, s), b)
+    assert rel_err(native.gemv_int8(x, q, s, b), want) < 1e-5
+
+
+@pytest.mark.parametrize("group_size, symmetric", [(64, False), (128, True), (256, False)])
+@pytest.mark.parametrize("rows, n", [(1, 37), (8, 256)])
+def test_gemv_int4_matches_dequantized_matmul(group_size, symmetric, rows, n):
+    codes, s, z = quantize_int4(torch.randn(n, 256, generator=gen(0)), group_size, symmetric)
+    q = pack_int4(codes)
+    x = torch.randn(rows, 256, generator=gen(1)) * 3
+    want = F.linear(x.bfloat16().float(), dequantize_int4(q, s, z, 256))
+    assert rel_err(native.gemv_int4(x, q, s, z, None), want) < 1e-5
+
+
+def test_dequantize_to_bf16_is_exact():
+    w = torch.randn(40, 256, generator=gen(0))
+    q8, s8 = quantize_int8(w, 64)
+    assert torch.equal(native.dequantize_int8(q8, s8), dequantize_int8(q8, s8).bfloat16())
+    codes, s4, z4 = quantize_int4(w, 64)
+    q4 = pack_int4(codes)
+    assert torch.equal(native.dequantize_int4(q4, s4, z4), dequantize_int4(q4, s4, z4, 256).bfloat16())
+
+
+def assert_bf16_close(got, want):
+    """Equal but for the odd last-bit rounding (the kernels sum in another order)."""
+    diff = (got.float() - want.float()).abs()
+    assert (diff > 0).float().mean() < 0.02
+    assert (diff <= want.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_rmsnorm_and_silu_mul_match_torch():
+    x = (torch.randn(5, 256, generator=gen(0)) * 4).bfloat16()
+    w = (1 + torch.randn(256, generator=gen(1)) * 0.3).bfloat16()
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()  # model.RMSNorm's steps
+    assert_bf16_close(native.rmsnorm(x, w, 1e-6), want)
+    gate, up = x.chunk(2, dim=-1)
+    assert_bf16_close(native.silu_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("n_head, n_kv", [(14, 2), (4, 4)])
+def test_decode_attention_matches_sdpa(n_head, n_kv):
+    hd, capacity, pos = 64, 100, 70
+    qkv = torch.randn((n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
+    cache_k = torch.randn(n_kv, capacity, hd, generator=gen(1)).bfloat16()
+    cache_v = torch.randn(n_kv, capacity, hd, generator=gen(2)).bfloat16()
+    angles = pos * 1e4 ** (-torch.arange(0, hd, 2) / hd)
+    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
+    q, k, v = qkv.float().split([n_head * hd, n_kv * hd, n_kv * hd])
+    q, k = apply_rope(q.view(n_head, 1, hd), cos, sin), apply_rope(k.view(n_kv, 1, hd), cos, sin)
+    keys, values = cache_k.float().clone(), cache_v.float().clone()
+    keys[:, pos], values[:, pos] = k[:, 0].bfloat16().float(), v.view(n_kv, hd)
+    want = F.scaled_dot_product_attention(q[None], keys[None, :, :pos + 1], values[None, :, :pos + 1],
+                                          enable_gqa=True)[0].reshape(-1)  # (n_head * hd,)
+    got = native.decode_attention(qkv, cos, sin, cache_k, cache_v, n_head, pos)
+    assert rel_err(got, want) < 1e-2
+    assert torch.equal(cache_k[:, pos].float(), keys[:, pos]) and torch.equal(cache_v[:, pos].float(), values[:, pos])
+    assert math.isfinite(got.float().sum().item())
+
+
+@pytest.fixture(scope="module")
+def native_ckpts(tmp_path_factory):
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path_factory.mktemp("native") / "bf16", **NATIVE_WIDTHS)
+    out = {"bf16": src}
+    for name, bits, group in (("int8", 8, None), ("int4", 4, 64)):
+        out[name] = convert(src, src.parent / name, bits=bits, group_size=group, progress=False).out_dir
+    return out
+
+
+def logits_along(ckpt, ids, dtype="bfloat16", kernel="auto"):
+    """Next-token logits after a 20-token prefill, then one decode step per token (teacher forced)."""
+    model = load_model(ckpt, dtype=dtype, kernel=kernel)
+    cache = model.new_cache(1, ids.shape[1])
+    with torch.inference_mode():
+        steps = [model(ids[:, :20], cache, last_only=True)] + [model(ids[:, t:t + 1], cache) for t in range(20, ids.shape[1])]
+    return torch.cat(steps, 1)[0].float(), model
+
+
+def kld(ref, logits):
+    return (ref.softmax(-1) * (ref.log_softmax(-1) - logits.log_softmax(-1))).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, kind, monkeypatch):
+    """Random tiny models have near-ties, so greedy tokens are compared on the demo model
+    (tests/quantize/test_demo_quantized.py); here: the decode logits themselves."""
+    ids = torch.randint(0, 500, (1, 44), generator=gen(3))
+    fast, model = logits_along(native_ckpts[kind], ids)
+    runs_on = {m.kernel.name if isinstance(m, QuantLinear) else type(m).__name__
+               for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
+    assert runs_on == {"bf16": {"DenseLinear"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"}}[kind]
+    ref, _ = logits_along(native_ckpts[kind], ids, "float32", "reference")
+    monkeypatch.setenv("QLITE_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        slow, _ = logits_along(native_ckpts[kind], ids)
+    finally:
+        monkeypatch.delenv("QLITE_NATIVE")
+        native.library.cache_clear()
+    assert kld(ref, fast) <= 1.25 * kld(ref, slow)  # measured: 0.78-0.98x the torch path's KLD
+    assert (fast - slow).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("which, reference", [("demo_dir", {"--dtype": "float32"}), ("demo_int8", {}),
+                                              ("demo_int4", {})])
+def test_demo_greedy_answer_is_the_reference_paths(which, reference, request):
+    """The same 64 greedy tokens with the native kernels as with the reference path: float32 for the
+    16-bit model (torch's bf16 path itself differs from it at token 6: "n" for "number"), and torch's
+    aten kernels for the quantized ones."""
+    model_dir = request.getfixturevalue(which)
+
+    def answer(native_flag, *extra):
+        r = subprocess.run([sys.executable, "-m", "qlite", "generate", "-m", str(model_dir), "-p", PRIME_PROMPT,
+                            "--temperature", "0", "--max-new-tokens", "64", *extra], capture_output=True, text=True,
+                           env={**os.environ, "QLITE_NATIVE": native_flag})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert answer("1") == answer("0", *[a for kv in reference.items() for a in kv])
