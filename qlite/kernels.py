@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .formats import unpack_int4
 
 
@@ -94,63 +95,63 @@ class AtenInt4:
         return _bias(y, layer)
 
 
-class NativeInt8:
+class _Native:
+    """Up to native.MAX_ROWS rows: the kernel's matrix-vector product; more: the weight dequantized to
+    bf16 for this call only, and one bf16 matmul."""
+
+    @staticmethod
+    def prepare(layer) -> None:
+        for name, buf in list(layer.named_buffers()):
+            setattr(layer, name, buf.contiguous())
+        layer.bias32 = None if layer.bias is None else layer.bias.detach().float().contiguous()
+
+    @classmethod
+    def forward(cls, layer, x):
+        if x.numel() // layer.in_features <= native.MAX_ROWS:
+            return cls.gemv(layer, x).to(x.dtype)
+        return _bias(F.linear(x.to(torch.bfloat16), cls.dequantize(layer)).to(x.dtype), layer)
+
+
+class NativeInt8(_Native):
     name = "native-int8"
 
     @staticmethod
     def supports(layer) -> bool:
-        from . import native
-        groups = layer.scales.shape[1]
         return (layer.fmt.scheme == "int" and layer.fmt.bits == 8 and layer.qweight.device.type == "cpu"
-                and (layer.in_features // groups) % 32 == 0 and groups <= native.MAX_GROUPS
-                and native.library() is not None)
+                and (layer.in_features // layer.scales.shape[1]) % 32 == 0
+                and layer.scales.shape[1] <= native.MAX_GROUPS and native.library() is not None)
 
     @staticmethod
-    def prepare(layer) -> None:
-        _prepare_native(layer)
+    def gemv(layer, x):
+        return native.gemv_int8(x, layer.qweight, layer.scales, layer.bias32)
 
     @staticmethod
-    def forward(layer, x):
-        from . import native
-        if x.numel() // layer.in_features <= native.MAX_ROWS:
-            return native.gemv_int8(x, layer.qweight, layer.scales, layer.bias32).to(x.dtype)
-        return _bias(F.linear(x.to(torch.bfloat16), native.dequantize_int8(layer.qweight, layer.scales)).to(x.dtype), layer)
+    def dequantize(layer):
+        return native.dequantize_int8(layer.qweight, layer.scales)
 
 
-class NativeInt4:
+class NativeInt4(_Native):
     name = "native-int4"
 
     @staticmethod
     def supports(layer) -> bool:
-        from . import native
         return (layer.fmt.scheme == "int" and layer.fmt.bits == 4 and layer.fmt.group_size % 64 == 0
                 and layer.in_features % layer.fmt.group_size == 0 and layer.qweight.device.type == "cpu"
                 and layer.scales.shape[1] <= native.MAX_GROUPS and native.library() is not None)
 
     @staticmethod
-    def prepare(layer) -> None:
-        _prepare_native(layer)
+    def gemv(layer, x):
+        return native.gemv_int4(x, layer.qweight, layer.scales, layer.zeros, layer.bias32)
 
     @staticmethod
-    def forward(layer, x):
-        from . import native
-        if x.numel() // layer.in_features <= native.MAX_ROWS:
-            return native.gemv_int4(x, layer.qweight, layer.scales, layer.zeros, layer.bias32).to(x.dtype)
-        w = native.dequantize_int4(layer.qweight, layer.scales, layer.zeros)  # (N, K) bf16, this call only
-        return _bias(F.linear(x.to(torch.bfloat16), w).to(x.dtype), layer)
-
-
-def _prepare_native(layer) -> None:
-    for name, buf in list(layer.named_buffers()):
-        setattr(layer, name, buf.contiguous())
-    layer.bias32 = None if layer.bias is None else layer.bias.detach().float().contiguous()
+    def dequantize(layer):
+        return native.dequantize_int4(layer.qweight, layer.scales, layer.zeros)
 
 
 class DenseLinear(nn.Linear):
     """nn.Linear whose few-row products with a bf16 CPU weight go through native.gemv_bf16."""
 
     def forward(self, x):
-        from . import native
         if x.numel() // self.in_features <= native.MAX_ROWS:
             return native.gemv_bf16(x, self.weight, self.bias32).to(x.dtype)
         return super().forward(x)
@@ -158,7 +159,6 @@ class DenseLinear(nn.Linear):
 
 def use_native_dense(model: nn.Module) -> None:
     """Turn the bf16 CPU nn.Linear layers of a loaded model into DenseLinear (same parameters)."""
-    from . import native
     if native.library() is None:
         return
     for mod in model.modules():

@@ -87,9 +87,9 @@ def test_float32_activations_come_back_float32():
     assert layer(torch.randn(1, 128)).dtype == torch.float32
 
 
-def test_grouped_int8_falls_back_to_reference_and_aten_refuses_it():
+def test_grouped_int8_runs_native_or_reference_and_aten_refuses_it():
     layer = make_layer(64, 256, Format(8, 128, True))
-    assert choose_kernel(layer, "auto") is Reference
+    assert choose_kernel(layer, "auto") is (Reference if native.library() is None else NativeInt8)
     assert choose_kernel(layer, "aten") is None
     with pytest.raises(QliteError, match="--kernel"):
         choose_kernel(layer, "cuda-magic")
