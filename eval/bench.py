@@ -244,8 +244,8 @@ def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_token
         jobs.insert(1, (f"{model_dirs[0].name} fp32", {"engine": "qlite", "path": str(model_dirs[0]),
                                                         "dtype": "float32", **common}))
     if torch_kernels:
-        jobs += [(f"{d.name} torch-kernels", {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common})
-                 for d in model_dirs]
+        jobs += [(f"{d.name} torch-kernels",
+                  {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common}) for d in model_dirs]
     for dt in filter(None, hf.split(",")):
         jobs.append((f"{model_dirs[0].name} {dt}", {"engine": "transformers", "path": str(model_dirs[0]),
                                                      "dtype": dt, **common}))

@@ -97,7 +97,7 @@ def info(model_dir):
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="round to nearest, or GPTQ calibrated one decoder layer at a time")
 @click.option("--calib-data", default="builtin", show_default=True, help="GPTQ: builtin (code + prose) or a text file")
-@click.option("--nsamples", type=int, default=32, show_default=True, help="GPTQ: calibration windows")
+@click.option("--nsamples", type=int, default=128, show_default=True, help="GPTQ: calibration windows")
 @click.option("--seqlen", type=int, default=512, show_default=True, help="GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
 @click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")

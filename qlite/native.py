@@ -50,7 +50,8 @@ def build(compiler: str, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], check=True, capture_output=True, timeout=300)
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], check=True, capture_output=True,
+                       timeout=300)
         os.replace(tmp_lib, lib)
     return lib
 

@@ -88,8 +88,13 @@ def dequantize_stored(stored: dict[str, torch.Tensor], fmt: Format, in_features:
     return dequantize_int4(stored["qweight"], stored["scales"], stored["zeros"], in_features)
 
 
-def run_batched(fn, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([fn(x[i:i + BATCH]) for i in range(0, x.shape[0], BATCH)])
+def run_batched(fn, x: torch.Tensor, in_place: bool = False) -> None:
+    """fn over the windows of x, BATCH at a time; in_place: each batch's output replaces its input
+    (windows are independent), so the activations are never held twice."""
+    for i in range(0, x.shape[0], BATCH):
+        y = fn(x[i:i + BATCH])
+        if in_place:
+            x[i:i + BATCH] = y
 
 
 @torch.inference_mode()
@@ -132,7 +137,7 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
             hessian = hessians.pop(first)
             for n in group:
                 quantize_linear(prefix + n, modules[n], hessian)
-        x = run_batched(lambda xb: layer(xb, cos, sin, None, 0, None), x)  # the quantized layer's outputs
+        run_batched(lambda xb: layer(xb, cos, sin, None, 0, None), x, in_place=True)  # the quantized layer's outputs
 
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.weight.copy_(reader.get("model.norm.weight"))
@@ -149,7 +154,7 @@ def gptq_weights(src: Path, qcfg: dict, calib: str, nsamples: int, seqlen: int, 
 
 def gptq_convert(src, out=None, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
                  skip: tuple[str, ...] = (), lm_head_bits: int | None = None, calib: str = "builtin",
-                 nsamples: int = 32, seqlen: int = 512, act_order: bool = False, damp: float = 0.01,
+                 nsamples: int = 128, seqlen: int = 512, act_order: bool = False, damp: float = 0.01,
                  force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True):
     """Quantize a checkpoint dir with GPTQ; returns the converter's Summary."""
     from quantize.convert import convert, default_out_dir

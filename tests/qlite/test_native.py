@@ -120,7 +120,8 @@ def logits_along(ckpt, ids, dtype="bfloat16", kernel="auto"):
     model = load_model(ckpt, dtype=dtype, kernel=kernel)
     cache = model.new_cache(1, ids.shape[1])
     with torch.inference_mode():
-        steps = [model(ids[:, :20], cache, last_only=True)] + [model(ids[:, t:t + 1], cache) for t in range(20, ids.shape[1])]
+        steps = [model(ids[:, :20], cache, last_only=True)]
+        steps += [model(ids[:, t:t + 1], cache) for t in range(20, ids.shape[1])]
     return torch.cat(steps, 1)[0].float(), model
 
 
