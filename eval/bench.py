@@ -161,11 +161,11 @@ def decode_bytes(spec: dict) -> int:
         return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
     from qlite.config import load_config
     from qlite.info import nbytes, tensor_headers
-    tied_float_head = load_config(path).tie_word_embeddings and not any(
-        n.startswith("lm_head.") for n, _, _ in tensor_headers(path))
+    headers = tensor_headers(path)
+    tied_float_head = load_config(path).tie_word_embeddings and not any(n.startswith("lm_head.") for n, _, _ in headers)
     run_fp32 = spec.get("dtype") in ("float32", "fp32")
     total = 0
-    for name, dtype, shape in tensor_headers(path):
+    for name, dtype, shape in headers:
         if name == "model.embed_tokens.weight" and not tied_float_head:
             continue
         total += nbytes(dtype, shape) * (2 if run_fp32 and dtype in ("F16", "BF16") else 1)
@@ -232,8 +232,8 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads, md_path, pairs,
-         bandwidth_gbs, json_path, child):
+def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads,
+         md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
         print(json.dumps(RUNNERS[spec["engine"]](spec)))

@@ -103,7 +103,7 @@ class _Native:
     def prepare(layer) -> None:
         for name, buf in list(layer.named_buffers()):
             setattr(layer, name, buf.contiguous())
-        layer.bias32 = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        layer.bias32 = native.float_bias(layer.bias)
 
     @classmethod
     def forward(cls, layer, x):
@@ -165,7 +165,7 @@ def use_native_dense(model: nn.Module) -> None:
         if (type(mod) is nn.Linear and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu"
                 and mod.weight.is_contiguous() and mod.in_features % 64 == 0):
             mod.__class__ = DenseLinear
-            mod.bias32 = None if mod.bias is None else mod.bias.detach().float().contiguous()
+            mod.bias32 = native.float_bias(mod.bias)
 
 
 class BnbNF4:

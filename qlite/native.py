@@ -78,10 +78,18 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _out(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """An output for (rows of x, n): bf16 when x is bf16, else float32; and the C flag for it."""
+def float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer's bias as the kernels take it (float32, contiguous), or None."""
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+def _gemv_io(x: torch.Tensor, K: int, N: int) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+    """(x as contiguous bf16, its rows, an output for (rows of x, N), the C flag for the output's
+    dtype): the output is bf16 when x is bf16, else float32."""
+    xb = x.to(torch.bfloat16).contiguous()
     bf16 = x.dtype == torch.bfloat16
-    return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16 if bf16 else torch.float32), int(bf16)
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16 if bf16 else torch.float32)
+    return xb, xb.numel() // K, y, int(bf16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -89,29 +97,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) -> x @ weight.T + bias for bf16 weight [N, K]; bias32 float32 or None."""
+    """x (..., K) -> x @ weight.T + bias for a bf16 weight [N, K]; bias32 from float_bias."""
     N, K = weight.shape
-    xb = x.to(torch.bfloat16).contiguous()
-    y, out_bf16 = _out(x, N)
-    library().qlite_gemv_bf16(xb.data_ptr(), xb.numel() // K, weight.data_ptr(), N, K, _ptr(bias32), y.data_ptr(),
-                              out_bf16, torch.get_num_threads())
+    xb, M, y, out_bf16 = _gemv_io(x, K, N)
+    library().qlite_gemv_bf16(xb.data_ptr(), M, weight.data_ptr(), N, K, _ptr(bias32), y.data_ptr(), out_bf16,
+                              torch.get_num_threads())
     return y
 
 
-def gemv_int8(x, qweight, scales, bias32):
+def gemv_int8(x: torch.Tensor, qweight, scales, bias32) -> torch.Tensor:
+    """The same for int8 codes [N, K] with fp16 scales [N, groups]."""
     N, K = qweight.shape
-    xb = x.to(torch.bfloat16).contiguous()
-    y, out_bf16 = _out(x, N)
-    library().qlite_gemv_int8(xb.data_ptr(), xb.numel() // K, qweight.data_ptr(), scales.data_ptr(), scales.shape[1],
-                              N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
+    xb, M, y, out_bf16 = _gemv_io(x, K, N)
+    library().qlite_gemv_int8(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K,
+                              _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
     return y
 
 
-def gemv_int4(x, qweight, scales, zeros, bias32):
+def gemv_int4(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
+    """The same for packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]."""
     N, K = qweight.shape[0], 2 * qweight.shape[1]
-    xb = x.to(torch.bfloat16).contiguous()
-    y, out_bf16 = _out(x, N)
-    library().qlite_gemv_int4(xb.data_ptr(), xb.numel() // K, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+    xb, M, y, out_bf16 = _gemv_io(x, K, N)
+    library().qlite_gemv_int4(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
                               scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
     return y
 

@@ -25,9 +25,7 @@ int qlite_gemv_abi(void) { return 0; }
 #include <immintrin.h>
 
 #define ROWS 4
-#ifndef AHEAD
 #define AHEAD 8  /* prefetch the weights this many rows ahead */
-#endif
 #define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
