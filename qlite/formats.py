@@ -1,93 +1,323 @@
-"""Quantized formats: the table of formats, int4 packing, dequantization, and which module gets
-which format. Pure functions; the quantizer (quantize/) and the runtime share them.
+"""The registry of quantized formats: one class per format family, registered by its (scheme, bits)
+key. A format object knows its stored tensors and their shapes, its bits per weight, how to quantize
+a float weight (round to nearest on its grid) and how to dequantize; nothing else in qlite branches
+on a format. Pure functions; the quantizer (quantize/) and the runtime share them.
 
-Canonical layout on disk (kernel-independent; kernels repack at load):
-  int8:  qweight int8 [N, K], scales fp16 [N, K/G]                      w = q * s
-  int4:  qweight uint8 [N, ceil(K/2)] (column 2j in the low nibble, 2j+1 in the high),
-         scales fp16 [N, K/G], zeros uint8 [N, K/G] (integer zero points) w = (q - z) * s
-G = K (one group per row) means per output channel.
+Canonical layouts on disk (kernel-independent; a kernel may repack at load), G = group size:
+  int8-gG / int8:   qweight int8 [N, K], scales fp16 [N, K/G] (int8: one per row)     w = q * s
+  int4-gG[-sym]:    qweight uint8 [N, ceil(K/2)] (column 2j in the low nibble, 2j+1 in the high),
+                    scales fp16 [N, K/G], zeros uint8 [N, K/G] (integer zero points)  w = (q - z) * s
 The bitsandbytes peer formats keep bitsandbytes' own layout:
-  nf4:      qweight uint8 [N, K/2] (column 2j in the HIGH nibble), absmax fp32 [N, K/64]  w = NF4[q] * absmax
-  llm.int8: qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
+  nf4-bB:    qweight uint8 [N, K/2] (column 2j in the HIGH nibble), absmax fp32 [N, K/B]  w = NF4[q] * absmax
+  llm.int8:  qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
+Every stored tensor is per output row, so formats concatenate along rows (fused projections).
+
+Adding a format: a subclass with its key, `name`, `parse`, `stored_shapes`, `quantize` and
+`dequantize` (see the README), and a kernel for it in kernels.py.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
 import torch
 
 from .errors import QliteError
 
-FORMAT_VERSION = 1
-QUANT_METHOD = "qlite"
-LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCALE_BITS, ZERO_BITS = 16, 8
+FP16_SMALLEST = 2.0 ** -24  # the smallest positive float16: a scale must not round to zero
+INT8_MAX = 127
+CHUNK_ROWS = 4096  # rows quantized at a time: a 150k-row lm_head never has more float32 temporaries alive
 
-
-SCHEMES = ("int", "nf4", "llm.int8")
+REGISTRY: dict[tuple[str, int], type["Format"]] = {}
 
 
 @dataclass(frozen=True)
 class Format:
-    bits: int  # 4 or 8
-    group_size: int | None  # None: one scale per output channel
-    symmetric: bool  # int8 is always symmetric; int4 stores zero points either way (8 when symmetric)
-    scheme: str = "int"  # qlite's integer formats, or a bitsandbytes one: "nf4", "llm.int8"
+    """A quantized format; subclasses register with `class X(Format, scheme=..., bits=...)`."""
+    group_size: int | None = None  # weights per scale along the input; None: one per output row
+    symmetric: bool = True
 
+    scheme: ClassVar[str]
+    bits: ClassVar[int]
+
+    def __init_subclass__(cls, scheme: str, bits: int | None = None, **kw):
+        super().__init_subclass__(**kw)
+        cls.scheme = scheme
+        if bits is not None:  # a family; without bits, a base shared by families
+            cls.bits = bits
+            REGISTRY[(scheme, bits)] = cls
+
+    # --- what each format defines ---
     @property
     def name(self) -> str:
-        if self.scheme == "nf4":
-            return f"nf4-b{self.group_size}"
-        if self.scheme == "llm.int8":
-            return "llm.int8"
-        if self.bits == 8:
-            return "int8" if self.group_size is None else f"int8-g{self.group_size}"
-        return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
+        raise NotImplementedError
 
+    @classmethod
+    def parse(cls, name: str) -> "Format | None":
+        """The format of this family with that name, or None."""
+        raise NotImplementedError
+
+    @classmethod
+    def make(cls, group_size: int | None, symmetric: bool) -> "Format":
+        """The format of this family for config fields (validated)."""
+        return cls(group_size, symmetric)
+
+    def stored_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
+        raise NotImplementedError
+
+    def quantize_rows(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Float weight rows [n, K] -> stored tensors (called on chunks of rows)."""
+        raise NotImplementedError
+
+    def dequantize(self, stored: Mapping[str, torch.Tensor], in_features: int) -> torch.Tensor:
+        """The float32 weight [N, K] that the stored tensors stand for."""
+        raise NotImplementedError
+
+    # --- shared ---
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
 
     def bits_per_weight(self, in_features: int) -> float:
-        """Storage bits per weight, scales and zero points included."""
-        if self.scheme != "int":  # bitsandbytes keeps float32 absmax per block (nf4) or per row (llm.int8)
-            return self.bits + 32 * self.groups(in_features) / in_features
-        per_group = SCALE_BITS + (ZERO_BITS if self.bits == 4 else 0)
-        return self.bits + per_group * self.groups(in_features) / in_features
+        """Storage bits per weight, scales and zero points included (from the stored shapes)."""
+        stored = self.stored_shapes(1, in_features).items()
+        bits = sum(8 * torch.empty((), dtype=d).element_size() * math.prod(s) for _, (d, s) in stored)
+        return bits / in_features
 
-    def stored_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
-        g = self.groups(in_features)
-        if self.scheme == "nf4":
-            return {"qweight": (torch.uint8, (out_features, in_features // 2)),
-                    "absmax": (torch.float32, (out_features, g))}
-        if self.scheme == "llm.int8":
-            return {"qweight": (torch.int8, (out_features, in_features)), "scb": (torch.float32, (out_features,))}
-        if self.bits == 8:
-            return {"qweight": (torch.int8, (out_features, in_features)),
-                    "scales": (torch.float16, (out_features, g))}
-        return {"qweight": (torch.uint8, (out_features, (in_features + 1) // 2)),
-                "scales": (torch.float16, (out_features, g)),
-                "zeros": (torch.uint8, (out_features, g))}
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A float weight [N, K] -> its stored tensors, CHUNK_ROWS rows at a time."""
+        parts = [self.quantize_rows(w[i:i + CHUNK_ROWS]) for i in range(0, w.shape[0], CHUNK_ROWS)]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def fields(self) -> dict:
+        """The quantization_config fields that name this format (format_version 1)."""
+        return {"scheme": self.scheme, "bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
 
     def check(self, in_features: int, where: str) -> None:
         if self.group_size is not None and in_features % self.group_size:
             raise QliteError(f"--group-size {self.group_size} does not divide {where}'s input width {in_features}")
 
 
-def validate_format(bits: int, group_size: int | None, symmetric: bool, scheme: str = "int") -> Format:
-    if scheme == "nf4":
-        return Format(4, group_size or 64, True, "nf4")
-    if scheme == "llm.int8":
-        return Format(8, None, True, "llm.int8")
-    if scheme != "int":
+def format_named(name: str) -> Format:
+    """The format with that name (int8, int8-g64, int4-g128, int4-g32-sym, nf4-b64, llm.int8)."""
+    for cls in REGISTRY.values():
+        fmt = cls.parse(name)
+        if fmt is not None:
+            return fmt
+    raise QliteError(f"format {name!r}: unknown (known: int8, int8-gG, int4-gG, int4-gG-sym, nf4-bB, llm.int8)")
+
+
+def format_for_fields(scheme: str, bits: int | None, group_size: int | None, symmetric: bool) -> Format:
+    """The format a config's fields (or the quantize flags) name; bits None: the scheme's only family."""
+    if bits is None:
+        families = [cls for (s, _), cls in REGISTRY.items() if s == scheme]
+        cls = families[0] if len(families) == 1 else None
+    else:
+        cls = REGISTRY.get((scheme, bits))
+    if cls is None:
+        if scheme == "int":
+            raise QliteError(f"--bits {bits}: qlite quantizes to 4 or 8 bits")
         raise QliteError(f"--format {scheme}: unknown")
-    if bits not in (4, 8):
-        raise QliteError(f"--bits {bits}: qlite quantizes to 4 or 8 bits")
-    if group_size is not None and group_size <= 0:
+    if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
         raise QliteError(f"--group-size {group_size}: must be a positive number of weights")
-    if bits == 4 and group_size is None:
-        raise QliteError("--group-size: int4 needs a group size (for example 128)")
-    return Format(bits, group_size, True if bits == 8 else symmetric)  # int8 is symmetric
+    return cls.make(group_size, symmetric)
+
+
+# --- integer grids (round to nearest; GPTQ quantizes column by column on the same grid) -------------
+
+def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Scales rounded to float16 before codes are computed, so stored (codes, scales) agree."""
+    return scale.clamp(min=FP16_SMALLEST).half().float()
+
+
+def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Integer codes (float tensor) of w on the grid (q - zero) * scale, q in lo..hi (broadcasting)."""
+    return (torch.round(w / scale) + zero).clamp(lo, hi)
+
+
+def per_column(groupwise: torch.Tensor, in_features: int) -> torch.Tensor:
+    """[N, groups] -> [N, K], each group's value repeated over its columns."""
+    return groupwise.repeat_interleave(in_features // groupwise.shape[-1], dim=-1)
+
+
+@dataclass(frozen=True)
+class IntFormat(Format, scheme="int"):
+    """qlite's integer formats: w = (q - z) * s per group, an fp16 scale s, codes q in lo..hi."""
+    lo: ClassVar[int]
+    hi: ClassVar[int]
+
+    def grid(self, wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of weight groups wg (..., G), scale already fp16-rounded."""
+        raise NotImplementedError
+
+    def encode(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Integer codes [N, K] (float) and per-group scale/zero [N, groups] -> stored tensors."""
+        raise NotImplementedError
+
+    def quantize_rows(self, w):
+        N, K = w.shape
+        wg = w.float().reshape(N, self.groups(K), -1)  # (N, groups, G)
+        scale, zero = self.grid(wg)  # (N, groups)
+        q = round_to_grid(wg, scale[..., None], zero[..., None], self.lo, self.hi)
+        return self.encode(q.reshape(N, K), scale, zero)
+
+
+
+@dataclass(frozen=True)
+class Int8(IntFormat, scheme="int", bits=8):
+    """Symmetric int8, q in -127..127, one scale per output row (int8) or per group (int8-gG)."""
+    lo, hi = -INT8_MAX, INT8_MAX
+
+    @property
+    def name(self):
+        return "int8" if self.group_size is None else f"int8-g{self.group_size}"
+
+    @classmethod
+    def parse(cls, name):
+        m = re.fullmatch(r"int8(?:-g(\d+))?", name)
+        return m and cls.make(int(m[1]) if m[1] else None, True)
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        return cls(group_size, True)  # int8 is always symmetric
+
+    def stored_shapes(self, out_features, in_features):
+        return {"qweight": (torch.int8, (out_features, in_features)),
+                "scales": (torch.float16, (out_features, self.groups(in_features)))}
+
+    def grid(self, wg):
+        scale = fp16_scale(wg.abs().amax(-1) / INT8_MAX)
+        return scale, torch.zeros_like(scale)
+
+    def encode(self, codes, scale, zero):
+        return {"qweight": codes.to(torch.int8), "scales": scale.half()}
+
+    def dequantize(self, stored, in_features):
+        return stored["qweight"].float() * per_column(stored["scales"].float(), in_features)
+
+
+@dataclass(frozen=True)
+class Int4(IntFormat, scheme="int", bits=4):
+    """int4 codes 0..15, w = (q - z) * s per group. Asymmetric: s = (max - min) / 15 over a range that
+    includes 0 (a constant group is exact too), integer zero point z; symmetric: s = absmax / 7.5
+    (the whole of -8..7 where the sign allows), z = 8. Zero points are stored either way."""
+    symmetric: bool = False
+    lo, hi = 0, 15
+
+    @property
+    def name(self):
+        return f"int4-g{self.group_size}" + ("-sym" if self.symmetric else "")
+
+    @classmethod
+    def parse(cls, name):
+        m = re.fullmatch(r"int4-g(\d+)(-sym)?", name)
+        return m and cls.make(int(m[1]), bool(m[2]))
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        if group_size is None:
+            raise QliteError("--group-size: int4 needs a group size (for example 128)")
+        return cls(group_size, bool(symmetric))
+
+    def stored_shapes(self, out_features, in_features):
+        g = self.groups(in_features)
+        return {"qweight": (torch.uint8, (out_features, (in_features + 1) // 2)),
+                "scales": (torch.float16, (out_features, g)), "zeros": (torch.uint8, (out_features, g))}
+
+    def grid(self, wg):
+        if self.symmetric:
+            scale = fp16_scale(wg.abs().amax(-1) / 7.5)
+            return scale, torch.full_like(scale, 8)
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = fp16_scale((hi - lo) / 15)
+        return scale, torch.round(-lo / scale).clamp(0, 15)
+
+    def encode(self, codes, scale, zero):
+        return {"qweight": pack_int4(codes.to(torch.uint8)), "scales": scale.half(), "zeros": zero.to(torch.uint8)}
+
+    def dequantize(self, stored, in_features):
+        codes = unpack_int4(stored["qweight"], in_features).float()
+        zeros, scales = per_column(stored["zeros"].float(), in_features), per_column(stored["scales"].float(), in_features)
+        return (codes - zeros) * scales
+
+
+# --- bitsandbytes' formats, quantized by bitsandbytes itself ------------------------------------------
+
+def load_bitsandbytes():
+    """Import bitsandbytes quietly: its CPU backend logs a warning when an optional hub kernel
+    package is missing, which it is here (and it never needs to be)."""
+    import logging
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import bitsandbytes
+    import bitsandbytes.functional
+    return bitsandbytes
+
+
+def nf4_codebook() -> torch.Tensor:
+    """The 16 NF4 values (QLoRA, Dettmers et al. 2023), as bitsandbytes defines them."""
+    return load_bitsandbytes().functional.get_4bit_type("nf4", device="cpu").float()
+
+
+@dataclass(frozen=True)
+class NF4(Format, scheme="nf4", bits=4):
+    """NF4 (QLoRA): blocks of group_size weights (64 by default), float32 absmax per block."""
+
+    @property
+    def name(self):
+        return f"nf4-b{self.group_size}"
+
+    @classmethod
+    def parse(cls, name):
+        m = re.fullmatch(r"nf4(?:-b(\d+))?", name)
+        return m and cls.make(int(m[1]) if m[1] else None, True)
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        return cls(group_size or 64, True)
+
+    def stored_shapes(self, out_features, in_features):
+        return {"qweight": (torch.uint8, (out_features, in_features // 2)),
+                "absmax": (torch.float32, (out_features, self.groups(in_features)))}
+
+    def quantize_rows(self, w):
+        N, K = w.shape
+        packed, state = load_bitsandbytes().functional.quantize_4bit(w.float().contiguous(), blocksize=self.group_size,
+                                                                     quant_type="nf4")
+        return {"qweight": packed.reshape(N, K // 2), "absmax": state.absmax.reshape(N, self.groups(K))}
+
+    def dequantize(self, stored, in_features):
+        codes = unpack_int4(stored["qweight"], in_features, high_first=True).long()
+        return nf4_codebook().to(codes.device)[codes] * per_column(stored["absmax"].float(), in_features)
+
+
+@dataclass(frozen=True)
+class LLMInt8(Format, scheme="llm.int8", bits=8):
+    """LLM.int8 (Dettmers et al. 2022): int8 per row with a float32 row absmax; outlier activation
+    columns are handled by its kernel at inference."""
+
+    @property
+    def name(self):
+        return "llm.int8"
+
+    @classmethod
+    def parse(cls, name):
+        return cls() if name == "llm.int8" else None
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        return cls(None, True)
+
+    def stored_shapes(self, out_features, in_features):
+        return {"qweight": (torch.int8, (out_features, in_features)), "scb": (torch.float32, (out_features,))}
+
+    def quantize_rows(self, w):
+        codes, row_absmax, _ = load_bitsandbytes().functional.int8_vectorwise_quant(w.half().contiguous())
+        return {"qweight": codes, "scb": row_absmax.float()}
+
+    def dequantize(self, stored, in_features):
+        return stored["qweight"].float() * (stored["scb"].float() / 127)[:, None]
 
 
 # --- int4 packing ------------------------------------------------------------------------------
@@ -105,98 +335,3 @@ def unpack_int4(packed: torch.Tensor, in_features: int, high_first: bool = False
     lo, hi = packed & 0xF, packed >> 4
     both = torch.stack([hi, lo] if high_first else [lo, hi], dim=-1)  # (N, ceil(K/2), 2)
     return both.reshape(*packed.shape[:-1], -1)[..., :in_features]
-
-
-# --- dequantization (the reference every kernel is tested against) -----------------------------
-
-def _per_column(groupwise: torch.Tensor, in_features: int) -> torch.Tensor:
-    """[N, groups] -> [N, K], each group's value repeated over its columns."""
-    return groupwise.repeat_interleave(in_features // groupwise.shape[-1], dim=-1)
-
-
-def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return qweight.float() * _per_column(scales.float(), qweight.shape[-1])
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int) -> torch.Tensor:
-    codes = unpack_int4(qweight, in_features).float()
-    return (codes - _per_column(zeros.float(), in_features)) * _per_column(scales.float(), in_features)
-
-
-def load_bitsandbytes():
-    """Import bitsandbytes quietly: its CPU backend logs a warning when an optional hub kernel
-    package is missing, which it is here (and it never needs to be)."""
-    import logging
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    import bitsandbytes
-    import bitsandbytes.functional
-    return bitsandbytes
-
-
-def nf4_codebook() -> torch.Tensor:
-    """The 16 NF4 values (QLoRA, Dettmers et al. 2023), as bitsandbytes defines them."""
-    return load_bitsandbytes().functional.get_4bit_type("nf4", device="cpu").float()
-
-
-def dequantize_nf4(qweight: torch.Tensor, absmax: torch.Tensor, in_features: int) -> torch.Tensor:
-    codes = unpack_int4(qweight, in_features, high_first=True).long()
-    return nf4_codebook().to(qweight.device)[codes] * _per_column(absmax.float(), in_features)
-
-
-def dequantize_llm_int8(qweight: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
-    return qweight.float() * (scb.float() / 127)[:, None]
-
-
-# --- which module gets which format --------------------------------------------------------------
-
-def quantization_config(fmt: Format, lm_head_bits: int, skip: tuple[str, ...] = (), method: str = "rtn",
-                        extra: dict | None = None) -> dict:
-    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": method,
-            "scheme": fmt.scheme, "bits": fmt.bits, "group_size": fmt.group_size, "symmetric": fmt.symmetric,
-            "modules": list(LINEAR_KINDS), "lm_head_bits": lm_head_bits, "skip": list(skip), **(extra or {})}
-
-
-def parse_quantization_config(q: dict, source: str) -> dict:
-    """Validate a config.json quantization_config; refuse what this version cannot read."""
-    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
-        method = q.get("quant_method") if isinstance(q, dict) else q
-        raise QliteError(f"{source}: quantization method {method!r} is not one qlite reads")
-    if q.get("format_version") != FORMAT_VERSION:
-        raise QliteError(f"{source}: quantization format_version {q.get('format_version')!r} is unknown to this "
-                         f"qlite (it reads version {FORMAT_VERSION}); upgrade qlite or re-quantize")
-    try:
-        if q.get("scheme", "int") not in SCHEMES:
-            raise QliteError(f"{source}: quantization scheme {q.get('scheme')!r} is unknown to this qlite")
-        validate_format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric", False)), q.get("scheme", "int"))
-        if int(q.get("lm_head_bits", 16)) not in (4, 8, 16):
-            raise QliteError(f"{source}: lm_head_bits must be 4, 8 or 16")
-    except (KeyError, TypeError, ValueError) as e:
-        raise QliteError(f"{source}: malformed quantization_config ({e})") from None
-    return q
-
-
-def module_format(q: dict, module_name: str) -> Format | None:
-    """The format of a linear module (by its dotted name), or None if it stays 16-bit."""
-    if any(s and s in module_name for s in q.get("skip", ())):
-        return None
-    main = validate_format(int(q["bits"]), q.get("group_size"), bool(q.get("symmetric")), q.get("scheme", "int"))
-    if module_name == "lm_head":
-        bits = int(q.get("lm_head_bits", 16))
-        if bits == 16:
-            return None
-        if bits == 8:
-            return Format(8, None, True)  # per channel: the fast int8 kernel
-        return main if main.bits == 4 and main.scheme == "int" else Format(4, 128, False)
-    kind = module_name.rsplit(".", 1)[-1]
-    if re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+", module_name) and kind in q.get("modules", ()):
-        return main
-    return None
-
-
-def describe_quantization(q: dict) -> str:
-    main = module_format({**q, "skip": []}, "model.layers.0.self_attn.q_proj")
-    head = module_format({**q, "skip": []}, "lm_head")
-    text = f"{q.get('method', 'rtn')} {main.name if main else '16-bit'}, lm_head {head.name if head else '16-bit'}"
-    if q.get("skip"):
-        text += f", skipped: {', '.join(q['skip'])}"
-    return text + f" (format v{q.get('format_version')})"

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint import FLOAT_DTYPES, atomic_output_dir
 from .errors import QliteError
-from .safetensors_io import TensorSpec, atomic_output_dir, write_sharded
+from .safetensors_io import TensorSpec, write_sharded
 
 # Qwen2's pre-tokenizer split (digits one at a time), the one its merges were learned with.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -111,19 +112,14 @@ def _dequantized(t) -> np.ndarray:
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", force: bool = False,
-                expected_sha256: str | None = None, progress: bool = True) -> Path:
+                progress: bool = True) -> Path:
     """Write a checkpoint dir for a qwen2 GGUF file. Tensors are stored in `dtype` (float16 default)."""
     from gguf import GGUFReader
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+    torch_dtype = FLOAT_DTYPES.get(dtype)
     if torch_dtype is None:
         raise QliteError(f"--dtype {dtype}: choose float16, bfloat16 or float32")
-    if expected_sha256 is not None:
-        from .demo import sha256_file
-        actual = sha256_file(gguf_path)
-        if actual != expected_sha256:
-            raise QliteError(f"{gguf_path}: sha256 {actual} differs from the expected {expected_sha256}")
     try:
         reader = GGUFReader(gguf_path)
     except FileNotFoundError:

@@ -1,32 +1,21 @@
 """`qlite info`: what a checkpoint dir holds, read from config and safetensors headers only."""
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from pathlib import Path
 
-from .config import load_config
-from .safetensors_io import tensor_index
+from .checkpoint import CheckpointDir
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(weight|qweight|scales|zeros|absmax|scb)")
+DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(?!bias$)\w+")
 
 
-def tensor_headers(model_dir: Path) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, safetensors dtype, shape) of every tensor, from the file headers alone."""
-    return [(name, dtype, shape) for _, name, dtype, shape in tensor_index(model_dir)]
-
-
-def nbytes(dtype: str, shape) -> int:
-    return math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
-
-
-def decoder_linear_bits_per_weight(cfg, headers) -> float:
+def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
     """Stored bits (codes, scales, zero points; not biases) per weight of the decoder's linears."""
+    cfg = ckpt.config
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     weights = cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * i)
-    stored = sum(nbytes(d, s) for n, d, s in headers if DECODER_LINEAR.fullmatch(n))
+    stored = sum(t.nbytes for name, t in ckpt.tensors.items() if DECODER_LINEAR.fullmatch(name))
     return 8 * stored / weights
 
 
@@ -39,23 +28,21 @@ def logical_parameters(cfg) -> int:
 
 
 def format_name(cfg) -> str:
-    if cfg.quantization_config is None:
+    if cfg.quantization is None:
         return (cfg.torch_dtype or "16-bit").replace("float", "fp").replace("bfp16", "bf16")
-    from .formats import describe_quantization
-    return describe_quantization(cfg.quantization_config).split(" (format")[0]
+    return cfg.quantization.describe()
 
 
 def describe(model_dir: str | Path) -> str:
-    model_dir = Path(model_dir)
-    cfg = load_config(model_dir)
-    headers = tensor_headers(model_dir)
+    ckpt = CheckpointDir(model_dir)
+    cfg = ckpt.config
     by_dtype = Counter()
-    for _, d, s in headers:
-        by_dtype[d] += nbytes(d, s)
+    for t in ckpt.tensors.values():
+        by_dtype[t.dtype] += t.nbytes
     params = logical_parameters(cfg)
     total = sum(by_dtype.values())
     lines = [
-        f"checkpoint     {model_dir}",
+        f"checkpoint     {ckpt.path}",
         f"architecture   qwen2, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"mlp {cfg.intermediate_size}, heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), "
         f"head_dim {cfg.head_dim}",
@@ -67,5 +54,5 @@ def describe(model_dir: str | Path) -> str:
     for dtype, b in sorted(by_dtype.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {dtype:<6} {b:>16,} bytes")
     lines.append(f"format         {format_name(cfg)}")
-    lines.append(f"decoder linears {decoder_linear_bits_per_weight(cfg, headers):.3f} bits per weight")
+    lines.append(f"decoder linears {decoder_linear_bits_per_weight(ckpt):.3f} bits per weight")
     return "\n".join(lines)

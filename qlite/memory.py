@@ -58,3 +58,28 @@ class PeakAnonSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, anon_rss_bytes())
+
+
+def large_allocations_from_mmap() -> None:
+    """Make glibc serve every allocation over 1 MiB with its own mapping, returned to the OS when
+    freed. By default glibc raises that threshold after the first large free, and loading's or
+    quantizing's temporaries then fragment the heap into resident memory that is never used again."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def release_freed_memory() -> None:
+    """Hand the heap that loading freed (conversion and repacking temporaries) back to the OS;
+    glibc keeps it otherwise, and it would show as resident memory for the life of the process."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

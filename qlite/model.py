@@ -2,45 +2,132 @@
 
 References: the Qwen2 architecture (Qwen2 technical report; HF transformers' modeling_qwen2, which the
 tests use as the reference): RMSNorm computed in float32, grouped-query attention with q/k/v bias,
-rotary embeddings in the half-rotation (NeoX) layout, SwiGLU MLP. Parameter names follow the HF
-checkpoints, so a state dict loads without renaming.
+rotary embeddings in the half-rotation (NeoX) layout, SwiGLU MLP.
+
+The decoder builds its projections fused: q/k/v as one `qkv_proj`, gate/up as one `gate_up_proj`
+(one matmul each). The loader concatenates the checkpoint's tensors into them, row blocks in order
+(`checkpoint_layout`); all other names are the HF checkpoint's. Linears are qlite's `Linear` or, where
+the config's quantization says so, `QuantLinear`; a fused projection whose parts have different
+formats (one skipped, say) is a `SplitLinear` of the parts. The small ops (RMSNorm, SiLU * up,
+attention) go through `self.ops`: `TorchOps` here, the reference; backends.py may install faster ones.
 """
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
 from .config import Qwen2Config
+from .qlinear import QuantLinear
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul a backend may replace with a kernel of its own (kernels.py)."""
+    kernel = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.kernel is None else self.kernel(x)
+
+
+class SplitLinear(nn.ModuleDict):
+    """Projections of one input kept apart (their formats differ); their outputs side by side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([linear(x) for linear in self.values()], dim=-1)
+
+
+def make_linear(cfg: Qwen2Config, prefix: str, in_features: int, parts: dict[str, int], bias: bool) -> nn.Module:
+    """The linear(s) for checkpoint modules prefix+part (out_features each) that read one input: one
+    fused module when they share a format, else a SplitLinear."""
+    fmts = {part: cfg.quantization.format_for(prefix + part) if cfg.quantization else None for part in parts}
+
+    def one(fmt, out_features, where):
+        if fmt is None:
+            return Linear(in_features, out_features, bias=bias)
+        fmt.check(in_features, where)
+        return QuantLinear(in_features, out_features, bias, fmt)
+
+    if len(set(fmts.values())) > 1:
+        return SplitLinear({part: one(fmts[part], n, prefix + part) for part, n in parts.items()})
+    linear = one(next(iter(fmts.values())), sum(parts.values()), prefix + next(iter(parts)))
+    if len(parts) > 1:
+        linear.fused_parts = tuple(parts.items())  # (checkpoint name, rows) in order
+    return linear
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: rotary cos/sin (float32, (B, 1, T, head_dim)), the KV
+    cache (None: no cache), the attention mask (None: plain causal), and where the new tokens start."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: "KVCache | None"
+    mask: torch.Tensor | None
+    start: int
+
+
+class TorchOps:
+    """The reference small ops of a forward, in torch."""
+    name = "torch"
+
+    @staticmethod
+    def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def attention(qkv: torch.Tensor, step: Step, attn: "Attention") -> torch.Tensor:
+        """Rotary q and k, the cache updated, attention: (B, T, q|k|v) -> (B, T, n_head * head_dim)."""
+        B, T, _ = qkv.shape
+        n_head, n_kv, hd = attn.n_head, attn.n_kv, attn.head_dim
+        q, k, v = qkv.split([n_head * hd, n_kv * hd, n_kv * hd], dim=-1)
+        q = q.view(B, T, n_head, hd).transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = k.view(B, T, n_kv, hd).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = v.view(B, T, n_kv, hd).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        cos, sin = step.cos.to(q.dtype), step.sin.to(q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step.cache is not None:
+            k, v = step.cache.update(attn.layer_idx, k, v)  # (B, n_kv, start + T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None and T > 1,
+                                           enable_gqa=n_kv != n_head)
+        return y.transpose(1, 2).reshape(B, T, n_head * hd)  # (B, T, hidden)
 
 
 class RMSNorm(nn.Module):
+    ops = TorchOps
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16 and native.bf16_ready(x):
-            return native.rmsnorm(x, self.weight, self.eps)  # the same computation, one call
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rmsnorm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """cos/sin of the rotary angles for given positions, computed in float32."""
+    """cos/sin of the rotary angles for given positions, in float32."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, head_dim)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,7 +144,14 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length = 0
+        self.length = 0  # tokens stored; a forward's layers write at length.., then it advances
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, n_kv, T, head_dim) after the cached tokens; return all of them (B, n_kv, length + T, hd)."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     @property
     def nbytes(self) -> int:
@@ -65,67 +159,45 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen2Config):
-        super().__init__()
-        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+    ops = TorchOps
 
-    def forward(self, x, cos, sin, cache_kv, start: int, mask, native_decode: bool = False):
-        B, T, _ = x.shape
-        if native_decode:  # one token, one sequence: rotary, cache update and attention in one call
-            y = native.decode_attention(self.qkv_proj(x), cos, sin, cache_kv[0][0], cache_kv[1][0], self.n_head, start)
-            return self.o_proj(y.view(B, T, -1))
-        if hasattr(self, "qkv_proj"):  # fused at load (fuse.py): one matmul instead of three
-            q, k, v = self.qkv_proj(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
-                                              self.n_kv * self.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache_kv is not None:
-            cache_k, cache_v = cache_kv
-            cache_k[:, :, start:start + T] = k
-            cache_v[:, :, start:start + T] = v
-            k, v = cache_k[:, :, :start + T], cache_v[:, :, :start + T]  # (B, n_kv, S, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=self.n_kv != self.n_head)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, hidden)
-        return self.o_proj(y)
+    def __init__(self, cfg: Qwen2Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        q_rows, kv_rows = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = make_linear(cfg, prefix, cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows,
+                                                                   "v_proj": kv_rows}, bias=True)
+        self.o_proj = make_linear(cfg, prefix, q_rows, {"o_proj": cfg.hidden_size}, bias=False)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return self.o_proj(self.ops.attention(self.qkv_proj(x), step, self))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen2Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+    ops = TorchOps
 
-    def forward(self, x):
-        if hasattr(self, "gate_up_proj"):  # fused at load (fuse.py)
-            gate_up = self.gate_up_proj(x)
-            if native.bf16_ready(gate_up):
-                return self.down_proj(native.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+    def __init__(self, cfg: Qwen2Config, layer_idx: int):
+        super().__init__()
+        prefix, inter = f"model.layers.{layer_idx}.mlp.", cfg.intermediate_size
+        self.gate_up_proj = make_linear(cfg, prefix, cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias=False)
+        self.down_proj = make_linear(cfg, prefix, inter, {"down_proj": cfg.hidden_size}, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen2Config):
+    def __init__(self, cfg: Qwen2Config, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
 
-    def forward(self, x, cos, sin, cache_kv, start, mask, native_decode=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_kv, start, mask, native_decode)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,7 +205,7 @@ class Qwen2Model(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
@@ -158,7 +230,7 @@ class Qwen2ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = make_linear(cfg, "", cfg.hidden_size, {"lm_head": cfg.vocab_size}, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -168,10 +240,6 @@ class Qwen2ForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
-
-    @property
-    def fused_attention(self) -> bool:
-        return all(hasattr(layer.self_attn, "qkv_proj") for layer in self.model.layers)
 
     @property
     def device(self) -> torch.device:
@@ -191,16 +259,36 @@ class Qwen2ForCausalLM(nn.Module):
             raise ValueError(f"KV cache holds {cache.capacity} tokens, {start + T} asked")
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        mask = attention_mask(T, start, key_mask, input_ids.device)
+        step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        native_decode = (B == 1 and T == 1 and mask is None and cache is not None and self.fused_attention
-                         and native.bf16_ready(cache.k))
-        cos, sin = self.model.rotary(positions, torch.float32 if native_decode else x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            cache_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = layer(x, cos, sin, cache_kv, start, mask, native_decode)
+        for layer in self.model.layers:
+            x = layer(x, step)
         if cache is not None:
             cache.length += T
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+
+def checkpoint_module(name: str) -> str:
+    """The checkpoint's name for a module of the model: a SplitLinear's parts drop the fused name."""
+    return re.sub(r"\.(?:qkv_proj|gate_up_proj)\.", ".", name)
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """For every tensor of the model's state dict, the checkpoint tensors (name, shape) whose rows,
+    concatenated in order, make it. A tensor shared with another (tied lm_head) is listed once."""
+    modules = dict(model.named_modules())
+    layout, seen = {}, set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        module, _, tensor = key.rpartition(".")
+        parts = getattr(modules[module], "fused_parts", None)
+        if parts is None:
+            layout[key] = [(f"{checkpoint_module(module)}.{tensor}".lstrip("."), tuple(t.shape))]
+        else:
+            parent = checkpoint_module(module).rpartition(".")[0]
+            layout[key] = [(f"{parent}.{part}.{tensor}", (rows, *t.shape[1:])) for part, rows in parts]
+    return layout

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .system import cache_dir, cpu_flags
+
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
@@ -33,13 +35,6 @@ SIGNATURES = {
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _I],
 }
-
-
-def cpu_flags() -> str:
-    try:
-        return next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def build(compiler: str, out_dir: Path) -> Path:
@@ -63,10 +58,8 @@ def library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    from .demo import cache_dir
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, cpu_flags(), torch.__version__]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, *sorted(cpu_flags()), torch.__version__]).encode())
     try:
         lib = ctypes.CDLL(str(build(compiler, cache_dir() / "native" / key.hexdigest()[:16])))
     except (OSError, subprocess.SubprocessError):

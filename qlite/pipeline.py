@@ -62,7 +62,7 @@ class TextModel:
 
 def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto") -> TextModel:
     """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer."""
-    from .checkpoint import load_model
+    from .loader import load_model
 
     model_dir = Path(model_dir)
     model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel)

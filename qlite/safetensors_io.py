@@ -1,4 +1,4 @@
-"""Streaming safetensors output and checkpoint-directory plumbing.
+"""Streaming safetensors output.
 
 The `safetensors` package writes a file from a dict held wholly in memory; qlite writes one tensor
 at a time instead (the header needs only names, dtypes and shapes, known up front), so converting a
@@ -7,26 +7,17 @@ Format: 8-byte little-endian header length, JSON header, then the raw tensor byt
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import QliteError
+from .checkpoint import INDEX_NAME, SAFETENSORS_DTYPES
 
-DTYPE_NAMES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-    torch.bool: "BOOL",
-}
-INDEX_NAME = "model.safetensors.index.json"
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -107,65 +98,3 @@ def write_sharded(out_dir: Path, specs: list[TensorSpec], tensors, max_shard_byt
                  "weight_map": {s.name: fname for shard, fname in zip(shards, names) for s in shard}}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return names
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint dir: those its index names, or model.safetensors."""
-    index = model_dir / INDEX_NAME
-    if index.exists():
-        from .config import read_json
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise QliteError(f"{index}: no weight_map")
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if not (model_dir / f).exists():
-                raise QliteError(f"{model_dir / f}: named by {INDEX_NAME} but missing")
-        return [model_dir / f for f in files]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
-        raise QliteError(f"{model_dir}: only pickle weights (.bin/.pt) found; qlite loads safetensors only")
-    raise QliteError(f"{model_dir}: no model.safetensors or {INDEX_NAME}")
-
-
-def tensor_index(model_dir: Path) -> list[tuple[Path, str, str, tuple[int, ...]]]:
-    """(file, name, safetensors dtype, shape) of every tensor of a checkpoint dir, from headers alone."""
-    from safetensors import SafetensorError, safe_open
-
-    out = []
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    out.append((path, name, sl.get_dtype(), tuple(sl.get_shape())))
-        except SafetensorError as e:
-            raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
-    return out
-
-
-@contextlib.contextmanager
-def atomic_output_dir(dst: Path, force: bool = False):
-    """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed."""
-    dst = Path(dst)
-    if dst.exists() and not force:
-        raise QliteError(f"{dst}: already exists (use --force to replace it)")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
-    try:
-        yield tmp
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from qlite.errors import QliteError
-from qlite.formats import Format, pack_int4
-from quantize.rtn import INT8_MAX, codes, int4_params, int8_params
+from qlite.formats import IntFormat, round_to_grid
 
 BLOCK = 128
 
@@ -23,18 +22,12 @@ def hessian_update(h: torch.Tensor, x: torch.Tensor) -> None:
     h.addmm_(x2.t(), x2)
 
 
-def _grid(fmt: Format):
-    if fmt.bits == 8:
-        return int8_params, -INT8_MAX, INT8_MAX
-    return (lambda wg: int4_params(wg, fmt.symmetric)), 0, 15
-
-
-def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: Format, damp: float = 0.01,
+def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = 0.01,
                 act_order: bool = False, chunk_rows: int = 4096) -> dict[str, torch.Tensor]:
     """Quantize weight [N, K] given the Hessian [K, K] of its inputs; returns the stored tensors of
-    `fmt` (as quantize.convert.quantize_weight does for RTN). Rows are independent given H, so they
+    `fmt` (as `fmt.quantize` does for RTN). Rows are independent given H, so they
     are done chunk_rows at a time: an lm_head of 150k rows never needs more than a chunk's copies."""
-    if fmt.scheme != "int":
+    if not isinstance(fmt, IntFormat):
         raise QliteError(f"GPTQ makes qlite's int formats, not {fmt.name}")
     K = weight.shape[1]
     G = fmt.group_size or K
@@ -55,14 +48,14 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: Format, damp: 
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, fmt: Format,
+def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, fmt: IntFormat,
                act_order: bool) -> dict[str, torch.Tensor]:
     """The column-by-column pass for some rows; Hinv is the upper Cholesky factor of the inverse of
     the (permuted, damped) Hessian."""
     W = weight.float().clone()
     N, K = W.shape
     G = fmt.group_size or K
-    params, lo, hi = _grid(fmt)
+    params, lo, hi = fmt.grid, fmt.lo, fmt.hi
     scale = torch.zeros(N, K // G)
     zero = torch.zeros(N, K // G)
     W[:, dead] = 0
@@ -82,7 +75,7 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
                 group = W1[:, i:i + G] if G <= BLOCK else W[:, i1 + i:i1 + i + G]
                 scale[:, g], zero[:, g] = params(group)
             w, d = W1[:, i], Hinv1[i, i]
-            q = codes(w, scale[:, g], zero[:, g], lo, hi)
+            q = round_to_grid(w, scale[:, g], zero[:, g], lo, hi)
             Q[:, i1 + i] = q
             err = (w - (q - zero[:, g]) * scale[:, g]) / d
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
@@ -91,6 +84,4 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
     del W
     codes_orig = torch.empty_like(Q)
     codes_orig[:, perm] = Q  # back to the original column order
-    if fmt.bits == 8:
-        return {"qweight": codes_orig.to(torch.int8), "scales": scale.half()}
-    return {"qweight": pack_int4(codes_orig.to(torch.uint8)), "scales": scale.half(), "zeros": zero.to(torch.uint8)}
+    return fmt.encode(codes_orig, scale, zero)

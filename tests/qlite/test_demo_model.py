@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from qlite.checkpoint import load_model
+from qlite.loader import load_model
 from qlite.tokenizer import Tokenizer
 from tiny_models import PRIME_PROMPT, check_prime_code
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from qlite.checkpoint import load_model
+from qlite.loader import load_model
 from qlite.errors import QliteError
 from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_top_k, filter_top_p,
                             detokenize, generate_tokens, next_token, stream_text)

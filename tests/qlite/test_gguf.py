@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from qlite.checkpoint import load_model
+from qlite.loader import load_model
 from qlite.gguf import import_gguf
 from qlite.tokenizer import Tokenizer
 

@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from qlite import native
-from qlite.checkpoint import load_model
-from qlite.formats import dequantize_int4, dequantize_int8, pack_int4
+from qlite.loader import load_model
+from qlite.formats import Int4, Int8
 from qlite.model import apply_rope
 from qlite.qlinear import QuantLinear
-from quantize.rtn import quantize_int4, quantize_int8
 from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
@@ -42,30 +41,32 @@ def test_gemv_bf16_matches_float32_matmul(rows, n, bias):
 @pytest.mark.parametrize("group_size", [None, 32, 64])
 @pytest.mark.parametrize("rows, n", [(1, 37), (5, 256)])
 def test_gemv_int8_matches_dequantized_matmul(group_size, rows, n):
-    q, s = quantize_int8(torch.randn(n, 256, generator=gen(0)), group_size)
+    fmt = Int8(group_size)
+    stored = fmt.quantize(torch.randn(n, 256, generator=gen(0)))
+    q, s = stored["qweight"], stored["scales"]
     x = torch.randn(rows, 256, generator=gen(1))
     b = torch.randn(n, generator=gen(2))
-    want = F.linear(x.bfloat16().float(), dequantize_int8(q, s), b)
+    want = F.linear(x.bfloat16().float(), fmt.dequantize(stored, 256), b)
     assert rel_err(native.gemv_int8(x, q, s, b), want) < 1e-5
 
 
 @pytest.mark.parametrize("group_size, symmetric", [(64, False), (128, True), (256, False)])
 @pytest.mark.parametrize("rows, n", [(1, 37), (8, 256)])
 def test_gemv_int4_matches_dequantized_matmul(group_size, symmetric, rows, n):
-    codes, s, z = quantize_int4(torch.randn(n, 256, generator=gen(0)), group_size, symmetric)
-    q = pack_int4(codes)
+    fmt = Int4(group_size, symmetric)
+    stored = fmt.quantize(torch.randn(n, 256, generator=gen(0)))
+    q, s, z = stored["qweight"], stored["scales"], stored["zeros"]
     x = torch.randn(rows, 256, generator=gen(1)) * 3
-    want = F.linear(x.bfloat16().float(), dequantize_int4(q, s, z, 256))
+    want = F.linear(x.bfloat16().float(), fmt.dequantize(stored, 256))
     assert rel_err(native.gemv_int4(x, q, s, z, None), want) < 1e-5
 
 
 def test_dequantize_to_bf16_is_exact():
     w = torch.randn(40, 256, generator=gen(0))
-    q8, s8 = quantize_int8(w, 64)
-    assert torch.equal(native.dequantize_int8(q8, s8), dequantize_int8(q8, s8).bfloat16())
-    codes, s4, z4 = quantize_int4(w, 64)
-    q4 = pack_int4(codes)
-    assert torch.equal(native.dequantize_int4(q4, s4, z4), dequantize_int4(q4, s4, z4, 256).bfloat16())
+    int8 = Int8(64).quantize(w)
+    assert torch.equal(native.dequantize_int8(*int8.values()), Int8(64).dequantize(int8, 256).bfloat16())
+    int4 = Int4(64).quantize(w)
+    assert torch.equal(native.dequantize_int4(*int4.values()), Int4(64).dequantize(int4, 256).bfloat16())
 
 
 def assert_bf16_close(got, want):
@@ -135,9 +136,8 @@ def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, ki
     (tests/quantize/test_demo_quantized.py); here: the decode logits themselves."""
     ids = torch.randint(0, 500, (1, 44), generator=gen(3))
     fast, model = logits_along(native_ckpts[kind], ids)
-    runs_on = {m.kernel.name if isinstance(m, QuantLinear) else type(m).__name__
-               for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
-    assert runs_on == {"bf16": {"DenseLinear"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"}}[kind]
+    runs_on = {m.kernel.name for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
+    assert runs_on == {"bf16": {"native-bf16"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"}}[kind]
     ref, _ = logits_along(native_ckpts[kind], ids, "float32", "reference")
     monkeypatch.setenv("QLITE_NATIVE", "0")
     native.library.cache_clear()

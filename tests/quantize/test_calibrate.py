@@ -5,7 +5,7 @@ import json
 import pytest
 
 from eval.run import evaluate
-from qlite.checkpoint import load_model
+from qlite.loader import load_model
 from qlite.errors import QliteError
 from quantize.calibrate import calibration_ids, gptq_convert, windows
 from quantize.convert import convert

@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qlite.checkpoint import load_model
+from qlite.loader import load_model
 from qlite.cli import main
 from qlite.errors import QliteError
-from qlite.formats import module_format
+from qlite.model import SplitLinear
+from qlite.qconfig import QuantConfig
 from qlite.qlinear import QuantLinear
-from quantize.convert import convert, quantize_weight
+from quantize.convert import convert
 from tiny_models import make_checkpoint
 
 QDIMS = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
@@ -43,10 +44,25 @@ def dir_digest(path: Path) -> str:
 
 
 def dequantized_twin(quantized_dir: Path, src_dir: Path):
-    """The float32 source model with every quantized linear replaced by its dequantized weight."""
-    q = load_model(quantized_dir, dtype="float32", kernel="reference", fuse=False)
-    twin = load_model(src_dir, dtype="float32", fuse=False)
+    """The float32 source model with every quantized linear replaced by its dequantized weight (a
+    projection split apart in the quantized model is split in the twin too)."""
+    q = load_model(quantized_dir, dtype="float32", kernel="reference")
+    twin = load_model(src_dir, dtype="float32")
     twin_modules = dict(twin.named_modules())
+    for name, mod in q.named_modules():
+        if isinstance(mod, SplitLinear):  # the twin's fused rows, split the same way
+            fused, row = twin_modules[name], 0
+            parts = {}
+            for part, linear in mod.items():
+                rows = slice(row, row + linear.out_features)
+                parts[part] = torch.nn.Linear(linear.in_features, linear.out_features, bias=fused.bias is not None)
+                parts[part].weight = torch.nn.Parameter(fused.weight[rows])
+                if fused.bias is not None:
+                    parts[part].bias = torch.nn.Parameter(fused.bias[rows])
+                row += linear.out_features
+            parent, _, attr = name.rpartition(".")
+            setattr(twin_modules[parent], attr, SplitLinear(parts))
+            twin_modules = dict(twin.named_modules())
     for name, mod in q.named_modules():
         if isinstance(mod, QuantLinear):
             target = twin_modules[name]
@@ -70,29 +86,43 @@ def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group,
         fast = load_model(out, dtype="bfloat16")(ids).float()  # the default (fast) kernels
     assert ((fast - expected).norm() / expected.norm()) <= 0.03
     assert isinstance(q.lm_head, QuantLinear) == (head != 16)
-    fused = load_model(out, dtype="float32", kernel="reference")  # q/k/v and gate/up fused in stored layout
+    assert isinstance(q.model.layers[0].self_attn.qkv_proj, QuantLinear)  # q/k/v fused in the stored layout
+
+
+def test_a_skip_that_splits_a_fused_projection(src, tmp_path):
+    """--skip k_proj: q/v quantized, k 16-bit, so q/k/v cannot be one matmul and stay apart."""
+    out = convert(src, tmp_path / "q", bits=4, group_size=64, skip=("k_proj", "up_proj"), progress=False).out_dir
+    q, twin = dequantized_twin(out, src)
+    qkv, gate_up = q.model.layers[0].self_attn.qkv_proj, q.model.layers[0].mlp.gate_up_proj
+    assert isinstance(qkv, SplitLinear) and list(qkv) == ["q_proj", "k_proj", "v_proj"]
+    assert isinstance(qkv.q_proj, QuantLinear) and not isinstance(qkv.k_proj, QuantLinear)
+    assert isinstance(gate_up, SplitLinear) and not isinstance(gate_up.up_proj, QuantLinear)
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (fused(ids) - expected).abs().max() <= 1e-4
+        assert (q(ids) - twin(ids)).abs().max() <= 1e-4
 
 
 def test_saved_tensors_reload_bit_identical(src, tmp_path):
     out = convert(src, tmp_path / "q", bits=4, group_size=64, progress=False).out_dir
     stored = load_file(out / "model.safetensors")
     source = load_file(src / "model.safetensors")
-    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    qcfg = QuantConfig.from_dict(json.loads((out / "config.json").read_text())["quantization_config"], "config")
     for name, w in source.items():
         module = name.removesuffix(".weight")
-        fmt = module_format(qcfg, module) if name.endswith(".weight") and w.ndim == 2 else None
+        fmt = qcfg.format_for(module) if name.endswith(".weight") and w.ndim == 2 else None
         if fmt is None:
             assert torch.equal(stored[name], w)
         else:
-            for suffix, t in quantize_weight(w, fmt).items():
+            for suffix, t in fmt.quantize(w).items():
                 assert torch.equal(stored[f"{module}.{suffix}"], t), f"{module}.{suffix}"
     again = convert(src, tmp_path / "q2", bits=4, group_size=64, progress=False).out_dir
     assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
-    model = load_model(out, kernel="reference")
-    layer = model.model.layers[1].mlp.down_proj
-    assert torch.equal(layer.qweight, stored["model.layers.1.mlp.down_proj.qweight"])
+    model = load_model(out)  # the default kernels keep the canonical buffers
+    assert torch.equal(model.model.layers[1].mlp.down_proj.qweight, stored["model.layers.1.mlp.down_proj.qweight"])
+    qkv = model.model.layers[1].self_attn.qkv_proj.state_dict()
+    for suffix in ("qweight", "scales", "zeros", "bias"):
+        parts = [stored[f"model.layers.1.self_attn.{p}_proj.{suffix}"] for p in "qkv"]
+        assert torch.equal(qkv[suffix], torch.cat(parts).to(qkv[suffix].dtype)), suffix  # bias: run dtype
 
 
 def test_tied_embeddings_get_an_own_quantized_head(tied_src, tmp_path):
@@ -198,10 +228,9 @@ def test_interrupt_mid_run_leaves_source_intact_and_no_output(tmp_path):
               "num_hidden_layers": n_layers, "num_attention_heads": 8, "num_key_value_heads": 2,
               "max_position_embeddings": 128, "tie_word_embeddings": False}
     (big / "config.json").write_text(json.dumps(config))
-    from qlite.model import Qwen2ForCausalLM
     from qlite.config import Qwen2Config
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Qwen2ForCausalLM(Qwen2Config.from_dict(config)).state_dict().items()}
+    from quantize.convert import expected_tensors
+    shapes = expected_tensors(Qwen2Config.from_dict(config))  # checkpoint names and shapes
     save_file({k: torch.randn(s).half() for k, s in shapes.items()}, big / "model.safetensors")
     before = dir_digest(big)
     out = tmp_path / "out"

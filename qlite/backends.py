@@ -1,0 +1,96 @@
+"""The backend seam: a backend, picked once at load by name (`--kernel`), says which kernel runs each
+quantized and each 16-bit linear layer, and which small ops (RMSNorm, SiLU * up, attention) the
+decoder calls. The model math itself (model.py) never asks which backend it runs on.
+
+| backend   | quantized linears                   | 16-bit linears   | small ops         |
+|-----------|-------------------------------------|------------------|-------------------|
+| reference | dequantize + F.linear               | torch            | torch             |
+| aten      | torch's int8/int4 CPU kernels       | torch            | torch             |
+| native    | qlite's C kernels                   | qlite's C GEMV   | qlite's C ops     |
+| bnb       | bitsandbytes' nf4 / LLM.int8        | torch            | torch             |
+| auto      | native, else aten, else bnb, else reference, for each layer | native if it can | native if it can |
+
+A backend that cannot run a layer (`--kernel native` on a CPU without AVX-512 BF16, say) is a
+one-line error naming the layer. A new kernel is one class in kernels.py plus its place in this table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import native
+from .errors import QliteError
+from .kernels import AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference
+from .model import Linear, Step, TorchOps
+from .qlinear import QuantLinear
+
+
+class NativeOps(TorchOps):
+    """qlite's C ops where they take the tensors (bf16 on the CPU), torch's otherwise."""
+    name = "native"
+
+    @staticmethod
+    def rmsnorm(x, weight, eps):
+        if weight.dtype == torch.bfloat16 and native.bf16_ready(x):
+            return native.rmsnorm(x, weight, eps)  # the same computation, one call
+        return TorchOps.rmsnorm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        return native.silu_mul(gate_up) if native.bf16_ready(gate_up) else TorchOps.silu_mul(gate_up)
+
+    @staticmethod
+    def attention(qkv, step: Step, attn):
+        """One token of one sequence with a bf16 cache: rotary, cache write and attention in one call."""
+        B, T, _ = qkv.shape
+        if B == 1 and T == 1 and step.mask is None and step.cache is not None and native.bf16_ready(step.cache.k):
+            k, v = step.cache.k[attn.layer_idx][0], step.cache.v[attn.layer_idx][0]  # (n_kv, capacity, head_dim)
+            y = native.decode_attention(qkv, step.cos, step.sin, k, v, attn.n_head, step.start)
+            return y.view(B, T, -1)
+        return TorchOps.attention(qkv, step, attn)
+
+
+@dataclass(frozen=True)
+class Backend:
+    quantized: tuple  # kernel classes for QuantLinear layers, the first that supports a layer runs it
+    dense: tuple  # kernel classes for 16-bit Linear layers (none that fits: torch's F.linear)
+    ops: type  # the small ops
+
+
+NATIVE_QUANTIZED = (NativeInt8, NativeInt4)
+BACKENDS = {
+    "reference": Backend((Reference,), (), TorchOps),
+    "aten": Backend((AtenInt8, AtenInt4), (), TorchOps),
+    "native": Backend(NATIVE_QUANTIZED, (NativeBf16,), NativeOps),
+    "bnb": Backend((BnbNF4, BnbInt8), (), TorchOps),
+    "auto": Backend((*NATIVE_QUANTIZED, AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference), (NativeBf16,), NativeOps),
+}
+
+
+def backend_named(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise QliteError(f"--kernel {name}: choose {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def choose_kernel(layer, name: str):
+    """The first kernel class of the named backend that can run this layer, or None."""
+    backend = backend_named(name)
+    kernels = backend.quantized if isinstance(layer, QuantLinear) else backend.dense
+    return next((k for k in kernels if k.supports(layer)), None)
+
+
+def use_backend(model: nn.Module, name: str = "auto") -> None:
+    """Give every linear layer of a loaded model its kernel and every module its ops, once."""
+    backend = backend_named(name)
+    ops = backend.ops if backend.ops is TorchOps or native.library() is not None else TorchOps
+    for module_name, mod in model.named_modules():
+        if isinstance(mod, (QuantLinear, Linear)):
+            kernel = choose_kernel(mod, name)
+            if kernel is None and isinstance(mod, QuantLinear):
+                raise QliteError(f"--kernel {name}: cannot run {module_name} ({mod.fmt.name}, "
+                                 f"{mod.out_features}x{mod.in_features}) on {mod.qweight.device}; try --kernel auto")
+            mod.kernel = None if kernel is None else kernel(mod)
+        if hasattr(type(mod), "ops"):
+            mod.ops = ops

@@ -1,0 +1,96 @@
+"""Load a checkpoint dir into qlite's Qwen2: build on the meta device (quantized modules where the
+config says so, projections fused), check every checkpoint name and shape from the headers, assign
+tensors read one at a time through safetensors (no pickles), then pick the backend once."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .backends import backend_named, use_backend
+from .checkpoint import FLOAT_DTYPES, CheckpointDir
+from .errors import QliteError
+from .memory import large_allocations_from_mmap, release_freed_memory
+from .model import Qwen2ForCausalLM, checkpoint_layout
+from .system import cpu_has_bf16
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise QliteError(f"--device {device}: not a device name (cpu, cuda, cuda:1, auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QliteError(f"--device {device}: no CUDA device available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a CPU with native bf16 (else float32); bf16 or fp16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in FLOAT_DTYPES:
+        raise QliteError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
+    return FLOAT_DTYPES[dtype]
+
+
+def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], convert) -> dict[str, torch.Tensor]:
+    """The model's state dict from the checkpoint: `layout` (model.checkpoint_layout) says which
+    checkpoint tensors make each model tensor, row blocks in order. All names and shapes are checked
+    before any data is read; then each tensor is read, converted (`convert(model key, tensor)`) and
+    copied into its place, one at a time."""
+    ckpt.check_tensors({name: shape for parts in layout.values() for name, shape in parts})
+    where = {}  # checkpoint name -> (model key, first row)
+    for key, parts in layout.items():
+        row = 0
+        for name, shape in parts:
+            where[name] = (key, row)
+            row += shape[0] if shape else 0
+    state: dict[str, torch.Tensor] = {}
+    for name in ckpt.tensors:
+        key, row = where[name]
+        t = convert(key, ckpt.read(name))
+        parts = layout[key]
+        if len(parts) == 1:
+            state[key] = t
+            continue
+        if key not in state:
+            rows = sum(shape[0] for _, shape in parts)
+            state[key] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        state[key][row:row + t.shape[0]] = t
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               kernel: str = "auto") -> Qwen2ForCausalLM:
+    """Load a (possibly quantized) checkpoint dir. Floating parameters are cast to `dtype`; quantized
+    buffers keep their stored dtype. `kernel` names the backend (backends.py)."""
+    backend_named(kernel)  # an unknown name fails before anything is read
+    ckpt = CheckpointDir(model_dir)
+    cfg = ckpt.config
+    dev = resolve_device(device)
+    large_allocations_from_mmap()
+    float_dtype = resolve_dtype(dtype, dev)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+
+    def convert(key, t):
+        # Parameters take the run dtype; quantized buffers keep their stored one. A tensor that needs
+        # no conversion is copied out of the file mapping anyway: an mmap-backed tensor would keep
+        # the whole file mapped, and the pages read for converted tensors resident with it.
+        out = t.to(device=dev, dtype=float_dtype if key in params else t.dtype)
+        return out.clone() if out is t else out
+
+    model.load_state_dict(read_state(ckpt, checkpoint_layout(model), convert), assign=True, strict=False)
+    model.tie_weights()
+    model.model.rotary.to(dev)
+    use_backend(model, kernel)
+    release_freed_memory()
+    return model.eval()

@@ -1,0 +1,113 @@
+"""QuantConfig: which module of a Qwen2 checkpoint is stored in which format, parsed and validated
+once from config.json's `quantization_config` (format_version 1) or from the quantize flags.
+
+The per-module rules, all of them:
+- the decoder's linears named in `modules` (all seven kinds by default) take the main format;
+- lm_head takes `lm_head` (its own format, or None for 16-bit); from the flags: --lm-head-bits 8 is
+  int8 per output row, 4 is int4 with --group-size (128 if not given) and --symmetric, 16 keeps it;
+- a module whose dotted name contains a `skip` substring stays 16-bit;
+- everything else (embeddings, norms, biases) stays 16-bit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .errors import QliteError
+from .formats import Format, Int4, Int8, format_for_fields, format_named
+
+FORMAT_VERSION = 1
+QUANT_METHOD = "qlite"
+LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+METHODS = ("rtn", "gptq", "bnb")
+_DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
+_KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
+               "lm_head_bits", "lm_head_format", "skip"}
+
+
+def lm_head_format(lm_head_bits: int, group_size: int | None, symmetric: bool) -> Format | None:
+    """lm_head's format for --lm-head-bits (see the module docstring)."""
+    if lm_head_bits == 16:
+        return None
+    if lm_head_bits == 8:
+        return Int8(None)  # per output row: the fast int8 kernels
+    if lm_head_bits == 4:
+        return Int4.make(group_size or 128, symmetric)
+    raise QliteError(f"--lm-head-bits {lm_head_bits}: choose 4, 8 or 16")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    linear: Format  # the decoder linears' format
+    lm_head: Format | None  # None: 16-bit
+    method: str = "rtn"
+    modules: tuple[str, ...] = LINEAR_KINDS
+    skip: tuple[str, ...] = ()
+    params: dict = field(default_factory=dict)  # the method's settings, recorded (GPTQ: act_order, damp, ...)
+
+    @classmethod
+    def from_options(cls, bits: int = 4, group_size: int | None = 128, symmetric: bool = False, scheme: str = "int",
+                     lm_head_bits: int | None = None, skip=(), method: str = "rtn", params: dict | None = None
+                     ) -> "QuantConfig":
+        """From the quantize flags. bitsandbytes formats are made by bitsandbytes (method "bnb") and
+        keep lm_head 16-bit by default, as transformers does for them; qlite's keep it int8."""
+        linear = format_for_fields(scheme, bits if scheme == "int" else None, group_size, symmetric)
+        if lm_head_bits is None:
+            lm_head_bits = 8 if scheme == "int" else 16
+        method = method if scheme == "int" else "bnb"
+        return cls(linear, lm_head_format(lm_head_bits, group_size, symmetric), method, LINEAR_KINDS,
+                   tuple(skip), dict(params or {}))
+
+    @classmethod
+    def from_dict(cls, q: dict, source: str) -> "QuantConfig":
+        """Parse config.json's quantization_config; refuse what this version cannot read."""
+        if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise QliteError(f"{source}: quantization method {method!r} is not one qlite reads")
+        if q.get("format_version") != FORMAT_VERSION:
+            raise QliteError(f"{source}: quantization format_version {q.get('format_version')!r} is unknown to this "
+                             f"qlite (it reads version {FORMAT_VERSION}); upgrade qlite or re-quantize")
+        try:
+            linear = format_for_fields(q.get("scheme", "int"), int(q["bits"]), q.get("group_size"),
+                                       bool(q.get("symmetric", False)))
+            if "lm_head_format" in q:
+                head = None if q["lm_head_format"] is None else format_named(q["lm_head_format"])
+            else:  # written before lm_head_format: lm_head 4-bit took the main int4 format, else int4-g128
+                bits = int(q.get("lm_head_bits", 16))
+                head = linear if bits == 4 and isinstance(linear, Int4) else lm_head_format(bits, 128, False)
+            modules, skip = tuple(q.get("modules", LINEAR_KINDS)), tuple(q.get("skip", ()))
+        except QliteError as e:
+            raise QliteError(f"{source}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise QliteError(f"{source}: malformed quantization_config ({e})") from None
+        if not set(modules) <= set(LINEAR_KINDS) or not all(isinstance(s, str) for s in skip):
+            raise QliteError(f"{source}: quantization_config modules must be among {', '.join(LINEAR_KINDS)}")
+        return cls(linear, head, str(q.get("method", "rtn")), modules, skip,
+                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS})
+
+    def to_dict(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": self.method,
+                **self.linear.fields(), "modules": list(self.modules),
+                "lm_head_bits": self.lm_head.bits if self.lm_head else 16,
+                "lm_head_format": self.lm_head.name if self.lm_head else None, "skip": list(self.skip), **self.params}
+
+    def format_for(self, module_name: str) -> Format | None:
+        """The format of a linear module (by its checkpoint name), or None if it stays 16-bit."""
+        if any(s and s in module_name for s in self.skip):
+            return None
+        if module_name == "lm_head":
+            return self.lm_head
+        m = _DECODER_LINEAR.fullmatch(module_name)
+        return self.linear if m and m[1] in self.modules else None
+
+    @property
+    def suffix(self) -> str:
+        """What the default output dir adds to the source's name: int4-g128, gptq-int4-g128-act, ..."""
+        name = self.linear.name if self.method in ("rtn", "bnb") else f"{self.method}-{self.linear.name}"
+        return name + ("-act" if self.params.get("act_order") else "")
+
+    def describe(self) -> str:
+        text = f"{self.method} {self.linear.name}, lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
+        if self.skip:
+            text += f", skipped: {', '.join(self.skip)}"
+        return text

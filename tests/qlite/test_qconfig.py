@@ -1,0 +1,59 @@
+"""QuantConfig: every per-module rule, the flags' lm_head rule, and config.json round trips."""
+import pytest
+
+from qlite.errors import QliteError
+from qlite.formats import Int4, Int8, format_named
+from qlite.qconfig import QuantConfig
+
+LEGACY_INT4 = {"quant_method": "qlite", "format_version": 1, "method": "rtn", "scheme": "int", "bits": 4,
+               "group_size": 64, "symmetric": True, "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"], "lm_head_bits": 4, "skip": []}
+
+
+def test_format_for_each_module():
+    q = QuantConfig.from_options(bits=4, group_size=64, skip=("layers.1.mlp",))
+    assert q.format_for("model.layers.0.self_attn.q_proj") == Int4(64)
+    assert q.format_for("model.layers.0.mlp.down_proj") == Int4(64)
+    assert q.format_for("model.layers.1.mlp.down_proj") is None  # skipped
+    assert q.format_for("model.layers.1.self_attn.o_proj") == Int4(64)
+    assert q.format_for("lm_head") == Int8()  # the default: int8 per output row
+    assert q.format_for("model.embed_tokens") is None
+
+
+@pytest.mark.parametrize("options, head", [
+    (dict(bits=8, group_size=None, lm_head_bits=4), "int4-g128"),
+    (dict(bits=8, group_size=64, lm_head_bits=4, symmetric=True), "int4-g64-sym"),  # from the flags, not silently g128
+    (dict(bits=4, group_size=32, lm_head_bits=4), "int4-g32"),
+    (dict(bits=4, group_size=32, lm_head_bits=8), "int8"),
+    (dict(bits=4, group_size=32, lm_head_bits=16), None),
+    (dict(scheme="nf4", group_size=None), None),  # bitsandbytes formats keep lm_head 16-bit by default
+    (dict(scheme="llm.int8", bits=4), None),  # --bits does not apply to bitsandbytes' formats
+])
+def test_lm_head_follows_the_flags(options, head):
+    q = QuantConfig.from_options(**options)
+    assert (q.lm_head.name if q.lm_head else None) == head
+
+
+def test_config_json_round_trip_and_legacy_lm_head():
+    q = QuantConfig.from_options(bits=8, group_size=64, lm_head_bits=4, method="gptq", params={"damp": 0.02})
+    d = q.to_dict()
+    assert d["lm_head_format"] == "int4-g64" and d["damp"] == 0.02 and d["bits"] == 8
+    assert QuantConfig.from_dict(d, "c.json") == q
+    legacy = QuantConfig.from_dict(LEGACY_INT4, "c.json")  # written before lm_head_format existed
+    assert legacy.linear == legacy.lm_head == Int4(64, True)
+    assert QuantConfig.from_dict({**LEGACY_INT4, "bits": 8}, "c.json").lm_head == Int4(128, False)
+    assert QuantConfig.from_dict({**LEGACY_INT4, "lm_head_bits": 8}, "c.json").lm_head == Int8()
+    assert format_named(q.suffix.removeprefix("gptq-")) == q.linear
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format_version": 2}, "format_version 2 is unknown"),
+    ({"quant_method": "awq"}, "quantization method 'awq'"),
+    ({"bits": 5}, "--bits 5"),
+    ({"bits": "x"}, "malformed"),
+    ({"lm_head_format": "int9"}, "format 'int9': unknown"),
+    ({"modules": ["conv"]}, "modules must be among"),
+])
+def test_bad_quantization_configs_are_refused(change, message):
+    with pytest.raises(QliteError, match=message):
+        QuantConfig.from_dict({**LEGACY_INT4, **change}, "c.json")
