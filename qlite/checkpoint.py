@@ -127,16 +127,30 @@ class CheckpointDir:
                 and not f.name.endswith(WEIGHT_SUFFIXES)]
 
 
-def check_output(dst: Path, force: bool) -> None:
-    if Path(dst).exists() and not force:
+def check_output(dst: Path, force: bool, inputs=()) -> None:
+    """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
+    with config.json) that holds none of the inputs: never an input itself or a dir above one, never
+    a plain file or a dir that is not a checkpoint."""
+    dst = Path(dst)
+    for path in inputs:
+        path = Path(path).resolve()
+        if dst.resolve() == path or dst.resolve() in path.parents:
+            raise QliteError(f"{dst}: holds the input {path}; choose another output")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not force:
         raise QliteError(f"{dst}: already exists (use --force to replace it)")
+    if dst.is_symlink() or not dst.is_dir() or not (dst / "config.json").is_file():
+        raise QliteError(f"{dst}: --force replaces only a checkpoint dir (one with config.json), and this is not one")
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: Path, force: bool = False):
-    """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed."""
+def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
+    """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed.
+    dst is checked first (check_output) and again before the move, so a dir that another run
+    finished meanwhile is never replaced without --force."""
     dst = Path(dst)
-    check_output(dst, force)
+    check_output(dst, force, inputs)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     umask = os.umask(0)
@@ -144,6 +158,7 @@ def atomic_output_dir(dst: Path, force: bool = False):
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
     try:
         yield tmp
+        check_output(dst, force, inputs)
         if dst.exists():
             old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
             os.replace(dst, old)

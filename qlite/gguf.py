@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import FLOAT_DTYPES, atomic_output_dir
+from .checkpoint import FLOAT_DTYPES, atomic_output_dir, check_output
 from .errors import QliteError
 from .safetensors_io import TensorSpec, write_sharded
 
@@ -117,6 +117,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     from gguf import GGUFReader
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    check_output(out_dir, force, inputs=(gguf_path,))  # before the long part; checked again at the end
     torch_dtype = FLOAT_DTYPES.get(dtype)
     if torch_dtype is None:
         raise QliteError(f"--dtype {dtype}: choose float16, bfloat16 or float32")
@@ -151,7 +152,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         tok_config["chat_template"] = template
     gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": pad,
                   "eos_token_id": sorted({eos, pad})}
-    with atomic_output_dir(out_dir, force=force) as tmp:
+    with atomic_output_dir(out_dir, force=force, inputs=(gguf_path,)) as tmp:
         write_sharded(tmp, specs, tensors(), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save(str(tmp / "tokenizer.json"))

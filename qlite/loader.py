@@ -8,11 +8,14 @@ from pathlib import Path
 import torch
 
 from .backends import backend_named, use_backend
-from .checkpoint import FLOAT_DTYPES, CheckpointDir
+from .checkpoint import FLOAT_DTYPES, SAFETENSORS_DTYPES, CheckpointDir
 from .errors import QliteError
 from .memory import large_allocations_from_mmap, release_freed_memory
 from .model import Qwen2ForCausalLM, checkpoint_layout
 from .system import cpu_has_bf16
+
+
+FLOAT_STORAGE = ("F16", "BF16", "F32", "F64")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -40,12 +43,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return FLOAT_DTYPES[dtype]
 
 
+def check_dtypes(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], stored: dict[str, torch.dtype]) -> None:
+    """Every checkpoint tensor in the dtype the model expects: a quantized format's tensors exactly as
+    the format stores them (`stored`, by model key), everything else a float type. A kernel never
+    sees a buffer of another dtype (it would read past its end)."""
+    for key, parts in layout.items():
+        want = stored.get(key)
+        for name, _ in parts:
+            info = ckpt.tensors[name]
+            ok = info.torch_dtype == want if want is not None else info.dtype in FLOAT_STORAGE
+            if not ok:
+                expected = next(n for n, d in SAFETENSORS_DTYPES.items() if d == want) if want else "a float type"
+                raise QliteError(f"{info.file}: tensor {name} is stored as {info.dtype}, expected {expected}")
+
+
 def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], convert) -> dict[str, torch.Tensor]:
     """The model's state dict from the checkpoint: `layout` (model.checkpoint_layout) says which
-    checkpoint tensors make each model tensor, row blocks in order. All names and shapes are checked
-    before any data is read; then each tensor is read, converted (`convert(model key, tensor)`) and
-    copied into its place, one at a time."""
-    ckpt.check_tensors({name: shape for parts in layout.values() for name, shape in parts})
+    checkpoint tensors make each model tensor, row blocks in order (names, shapes and dtypes checked
+    already). Each tensor is read, converted (`convert(model key, tensor)`) and copied into its
+    place, one at a time."""
     where = {}  # checkpoint name -> (model key, first row)
     for key, parts in layout.items():
         row = 0
@@ -88,7 +104,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         out = t.to(device=dev, dtype=float_dtype if key in params else t.dtype)
         return out.clone() if out is t else out
 
-    model.load_state_dict(read_state(ckpt, checkpoint_layout(model), convert), assign=True, strict=False)
+    layout = checkpoint_layout(model)
+    ckpt.check_tensors({name: shape for parts in layout.values() for name, shape in parts})
+    check_dtypes(ckpt, layout, {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if k not in params})
+    model.load_state_dict(read_state(ckpt, layout, convert), assign=True, strict=False)
     model.tie_weights()
     model.model.rotary.to(dev)
     use_backend(model, kernel)

@@ -126,7 +126,7 @@ def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantCon
     out = Path(out) if out is not None else src.path.parent / f"{src.path.name}-{qconfig.suffix}"
     if out.resolve() == src.path or src.path in out.resolve().parents:
         raise QliteError(f"--out {out}: must not be SRC or inside it")
-    check_output(out, force)
+    check_output(out, force, inputs=(src.path,))
     return src, out
 
 
@@ -145,7 +145,7 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
             for suffix, t in stored_for(job).items():
                 yield f"{job.module}.{suffix}", t
 
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=(plan.src.path,)) as tmp:
         write_sharded(tmp, plan.specs, produce(), max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
         for f in plan.src.side_files():  # tokenizer, generation config, chat template, ...
             shutil.copy2(f, tmp / f.name)

@@ -123,3 +123,17 @@ def test_import_refuses_existing_output_unless_forced(tiny_gguf, tmp_path):
         import_gguf(tiny_gguf, out, progress=False)
     import_gguf(tiny_gguf, out, force=True, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary dirs left
+
+
+def test_import_never_replaces_the_dir_that_holds_the_gguf(tiny_gguf, tmp_path):
+    import shutil
+    from qlite.errors import QliteError
+    home = tmp_path / "models"
+    home.mkdir()
+    (home / "config.json").write_text("{}")  # even a dir that looks like a checkpoint
+    gguf = home / "model.gguf"
+    shutil.copy(tiny_gguf, gguf)
+    before = gguf.read_bytes()
+    with pytest.raises(QliteError, match="holds the input"):
+        import_gguf(gguf, home, force=True, progress=False)
+    assert gguf.read_bytes() == before and sorted(p.name for p in home.iterdir()) == ["config.json", "model.gguf"]

@@ -179,6 +179,7 @@ def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):
 
 def test_existing_destination_needs_force(capsys, src, tmp_path):
     (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "config.json").write_text("{}")  # a checkpoint dir: what --force may replace
     (tmp_path / "dst" / "keep.txt").write_text("mine")
     code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst")
     assert code != 0 and "already exists (use --force" in err
@@ -247,3 +248,41 @@ def test_interrupt_mid_run_leaves_source_intact_and_no_output(tmp_path):
     assert "Traceback" not in err
     assert dir_digest(big) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
+
+
+@pytest.mark.parametrize("tensor, dtype", [("model.layers.0.mlp.down_proj.scales", torch.uint8),
+                                           ("model.layers.0.mlp.down_proj.scales", torch.bfloat16),
+                                           ("model.layers.1.self_attn.k_proj.qweight", torch.float32),
+                                           ("model.layers.0.input_layernorm.weight", torch.int32)])
+def test_stored_tensor_of_the_wrong_dtype_is_refused_before_any_kernel(capsys, src, tmp_path, tensor, dtype):
+    out = convert(src, tmp_path / "q", bits=4, group_size=64, progress=False).out_dir
+    tensors = load_file(out / "model.safetensors")
+    tensors[tensor] = tensors[tensor].to(dtype)  # same shape, another dtype: what a kernel would misread
+    save_file(tensors, out / "model.safetensors")
+    code, err = run_cli(capsys, "generate", "-m", out, "-p", "the", "--max-new-tokens", "2")
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"tensor {tensor} is stored as" in err and "model.safetensors" in err
+
+
+def test_force_never_replaces_the_source_or_what_holds_it(capsys, src, tmp_path):
+    import shutil
+    local = tmp_path / "models" / "ckpt"
+    shutil.copytree(src, local)
+    (tmp_path / "models" / "notes.txt").write_text("mine")
+    before = dir_digest(tmp_path / "models")
+    for out in (tmp_path / "models", local, tmp_path):
+        code, err = run_cli(capsys, "quantize", local, "--out", out, "--force")
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert "holds the input" in err or "must not be SRC" in err
+    assert dir_digest(tmp_path / "models") == before
+
+
+def test_force_replaces_only_a_checkpoint_dir(capsys, src, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "keep.txt").write_text("mine")
+    code, err = run_cli(capsys, "quantize", src, "--out", plain, "--force", "--group-size", "64")
+    assert code != 0 and "--force replaces only a checkpoint dir" in err
+    assert (plain / "keep.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("x")
+    assert "--force replaces only" in run_cli(capsys, "quantize", src, "--out", tmp_path / "file", "--force")[1]
