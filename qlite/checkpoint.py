@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,18 @@ class CheckpointDir:
 
     @functools.cached_property
     def config(self) -> Qwen2Config:
-        return Qwen2Config.from_dict(self.config_dict, source=str(self.path / "config.json"))
+        """The config, checked against what the files hold before anything is sized from it."""
+        source = self.path / "config.json"
+        cfg = Qwen2Config.from_dict(self.config_dict, source=str(source))
+        layers = {int(m[1]) for m in map(LAYER_NAME.match, self.tensors) if m}
+        if len(layers) != cfg.num_hidden_layers or layers and max(layers) != len(layers) - 1:  # 0..n-1
+            raise QliteError(f"{source}: num_hidden_layers is {cfg.num_hidden_layers}, the tensors hold "
+                             f"{len(layers)} layers")
+        embed = self.tensors.get("model.embed_tokens.weight")
+        if embed is not None and embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise QliteError(f"{source}: vocab_size x hidden_size is {cfg.vocab_size} x {cfg.hidden_size}, "
+                             f"model.embed_tokens.weight is {' x '.join(map(str, embed.shape))}")
+        return cfg
 
     def files(self) -> list[Path]:
         """The safetensors files: those the index names, or model.safetensors."""
@@ -67,9 +80,13 @@ class CheckpointDir:
             if not isinstance(weight_map, dict):
                 raise QliteError(f"{index}: no weight_map")
             files = sorted(set(weight_map.values()))
-            for f in files:
+            for f in files:  # plain file names of regular files in this dir: no paths, links out, FIFOs
+                if not isinstance(f, str) or Path(f).name != f or f in (".", ".."):
+                    raise QliteError(f"{index}: {f!r} is not a file name in the checkpoint dir")
                 if not (self.path / f).exists():
                     raise QliteError(f"{self.path / f}: named by {INDEX_NAME} but missing")
+                if not (self.path / f).is_file() or not _inside(self.path / f, self.path):
+                    raise QliteError(f"{self.path / f}: named by {INDEX_NAME} but not a regular file in {self.path}")
             return [self.path / f for f in files]
         single = self.path / "model.safetensors"
         if single.exists():
@@ -122,9 +139,21 @@ class CheckpointDir:
             raise QliteError(f"{self.path}: missing tensor {missing[0]}{more}")
 
     def side_files(self) -> list[Path]:
-        """The files other than config and weights: tokenizer, generation config, chat template, ..."""
-        return [f for f in sorted(self.path.iterdir()) if f.is_file() and f.name not in ("config.json", INDEX_NAME)
-                and not f.name.endswith(WEIGHT_SUFFIXES)]
+        """The regular files other than config and weights (tokenizer, generation config, chat
+        template, ...); a link is followed only while it stays inside the checkpoint dir."""
+        files = [f for f in sorted(self.path.iterdir()) if f.is_file() and f.name not in ("config.json", INDEX_NAME)
+                 and not f.name.endswith(WEIGHT_SUFFIXES)]
+        for f in files:
+            if not _inside(f, self.path):
+                raise QliteError(f"{f}: links to {f.resolve()}, outside the checkpoint dir; refusing to read it")
+        return files
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether path, links resolved, lies inside directory, or in the blobs dir of a Hugging Face
+    cache snapshot (SNAPSHOT/../../blobs, where the hub's own links point)."""
+    target = path.resolve().parents
+    return directory.resolve() in target or (directory / ".." / ".." / "blobs").resolve() in target
 
 
 def check_output(dst: Path, force: bool, inputs=()) -> None:

@@ -54,6 +54,8 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetiti
     """Generate text from a prompt, streamed to stdout."""
     from .pipeline import load
 
+    if any(not s for s in stop):
+        raise QliteError("--stop: an empty stop string would stop before the first token")
     text = read_prompt(prompt)
     t0 = time.perf_counter()
     lm = load(model_dir, dtype=dtype, device=device, kernel=kernel)
@@ -126,17 +128,27 @@ def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, 
 
 
 def parse_size(text: str, flag: str) -> int:
+    """A positive size in bytes from 500MB, 2GB, 1GiB or a plain number."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
-    for unit, mult in units.items():
-        if t.endswith(unit):
-            try:
-                return int(float(t[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    if t.isdigit():
-        return int(t)
-    raise QliteError(f"{flag} {text}: not a size (like 500MB or 2GB)")
+    unit = next((u for u in units if t.endswith(u)), None)
+    try:
+        size = int(t) if t.isdigit() else int(float(t[: -len(unit)]) * units[unit]) if unit else 0
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise QliteError(f"{flag} {text}: not a positive size (like 500MB or 2GB)")
+    return size
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """Before long work: the file can be written (its dir exists and takes files; it is no dir)."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or \
+            (path.exists() and not os.access(path, os.W_OK)):
+        raise QliteError(f"{flag} {path}: cannot be written there")
 
 
 @cli.command("eval")
@@ -145,7 +157,7 @@ def parse_size(text: str, flag: str) -> int:
 @click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
               help="code, prose (built in, offline) or a text file; repeatable")
 @click.option("--ctx", type=int, default=512, show_default=True, help="tokens per chunk")
-@click.option("--max-chunks", type=int, help="at most this many chunks per data source")
+@click.option("--max-chunks", type=click.IntRange(min=1), help="at most this many chunks per data source")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
@@ -153,6 +165,8 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, dtype, json_path, md_p
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline."""
     from eval.run import evaluate, write_reports
 
+    check_writable(json_path, "--json")
+    check_writable(md_path, "--markdown")
     rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype)
     click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path))
 

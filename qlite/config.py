@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class Qwen2Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise QliteError(f"{source}: num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"num_key_value_heads {self.num_key_value_heads}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise QliteError(f"{source}: rope_theta must be a positive number, got {self.rope_theta}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise QliteError(f"{source}: rms_norm_eps must be a small positive number, got {self.rms_norm_eps}")
         if self.head_dim % 2:
             raise QliteError(f"{source}: head_dim {self.head_dim} must be even for RoPE")
 

@@ -77,6 +77,9 @@ def read_config(reader, source: str) -> dict:
     except (KeyError, TypeError) as e:
         raise QliteError(f"{source}: GGUF metadata incomplete ({e})") from None
     cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # stored as float32: 1e-6, not 9.99e-7
+    blocks = {int(m[1]) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in reader.tensors) if m}
+    if len(blocks) != cfg["num_hidden_layers"] or blocks and max(blocks) != len(blocks) - 1:  # 0..n-1
+        raise QliteError(f"{source}: qwen2.block_count is {cfg['num_hidden_layers']}, the tensors hold {len(blocks)} blocks")
     return cfg
 
 

@@ -141,6 +141,8 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
     t0 = time.perf_counter()
     src, out = source_and_output(src, out, qconfig, force)
     plan = plan_conversion(src, qconfig)  # everything checked before the long calibration
+    if seqlen > src.config.max_position_embeddings:
+        raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:
         weights = gptq_weights(plan.src, qconfig, calib, nsamples, seqlen, act_order, damp, progress)
         write_quantized(plan, out, lambda job: weights.pop(job.module), force, max_shard_bytes, progress)

@@ -43,6 +43,7 @@ class Plan:
     qconfig: QuantConfig
     jobs: list[Job]
     specs: list[TensorSpec]
+    side_files: list[Path]  # copied as they are: tokenizer, generation config, chat template, ...
 
     def weights_and_bits(self, head: bool) -> tuple[int, float]:
         """(weights, stored bits) of the quantized decoder linears, or of lm_head."""
@@ -116,7 +117,7 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
         job.fmt.check(info.shape[1], job.module)
         for suffix, (dtype, shape) in job.fmt.stored_shapes(*info.shape).items():
             specs.append(TensorSpec(f"{job.module}.{suffix}", dtype, shape))
-    return Plan(src, qconfig, jobs, specs)
+    return Plan(src, qconfig, jobs, specs, src.side_files())
 
 
 def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantConfig, force: bool
@@ -147,8 +148,8 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
 
     with atomic_output_dir(out, force=force, inputs=(plan.src.path,)) as tmp:
         write_sharded(tmp, plan.specs, produce(), max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
-        for f in plan.src.side_files():  # tokenizer, generation config, chat template, ...
-            shutil.copy2(f, tmp / f.name)
+        for f in plan.side_files:
+            shutil.copyfile(f.resolve(), tmp / f.name)  # the bytes, as a regular file
         config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
 

@@ -22,6 +22,9 @@ def test_reads_rope_theta_from_either_place_and_eos_list():
     (dict(num_key_value_heads=3), "not divisible by num_key_value_heads"),
     (dict(hidden_size=0), "hidden_size must be positive"),
     (dict(vocab_size=None), "vocab_size"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive number"),
+    (dict(rope_theta=-1.0), "rope_theta must be a positive number"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a small positive number"),
 ])
 def test_invalid_configs_are_named(change, message):
     d = {k: v for k, v in dict(BASE, **change).items() if v is not None}

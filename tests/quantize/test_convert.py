@@ -243,7 +243,7 @@ def test_interrupt_mid_run_leaves_source_intact_and_no_output(tmp_path):
     assert proc.poll() is None, "finished before it could be interrupted"
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert "Traceback" not in err
     assert dir_digest(big) == before
@@ -286,3 +286,63 @@ def test_force_replaces_only_a_checkpoint_dir(capsys, src, tmp_path):
     assert (plain / "keep.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")
     assert "--force replaces only" in run_cli(capsys, "quantize", src, "--out", tmp_path / "file", "--force")[1]
+
+
+def test_links_out_of_the_source_and_odd_index_paths_are_refused(capsys, src, tmp_path):
+    import shutil
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not copy me")
+    local = tmp_path / "ckpt"
+    shutil.copytree(src, local)
+    (local / "README.md").symlink_to(secret)
+    code, err = run_cli(capsys, "quantize", local, "--out", tmp_path / "dst", "--group-size", "64")
+    assert code != 0 and "README.md: links to" in err and "outside the checkpoint dir" in err
+    assert not (tmp_path / "dst").exists()
+    (local / "README.md").unlink()
+    (local / "notes.md").symlink_to(local / "tokenizer.json")  # a link that stays inside is fine
+    assert run_cli(capsys, "quantize", local, "--out", tmp_path / "dst", "--group-size", "64")[0] == 0
+    assert not (tmp_path / "dst" / "notes.md").is_symlink()
+    os.rename(local / "model.safetensors", local / "weights.safetensors")
+    for name in ("../ckpt/weights.safetensors", str(local / "weights.safetensors"), "fifo.safetensors"):
+        (local / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": name}}))
+        if name.startswith("fifo"):
+            os.mkfifo(local / name)
+        code, err = run_cli(capsys, "info", local)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and "model.safetensors.index.json" in err, err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 10 ** 9}, "num_hidden_layers is 1000000000, the tensors hold 2 layers"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1, the tensors hold 2 layers"),
+    ({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 16}, "model.embed_tokens.weight is"),
+])
+def test_config_that_asks_for_more_than_the_files_hold(capsys, src, tmp_path, change, message):
+    import shutil
+    local = tmp_path / "ckpt"
+    shutil.copytree(src, local)
+    cfg = json.loads((local / "config.json").read_text())
+    (local / "config.json").write_text(json.dumps({**cfg, **change}))
+    for args in (["generate", "-m", local, "-p", "hi"], ["quantize", local, "--out", tmp_path / "q"]):
+        code, err = run_cli(capsys, *args)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-shard-size", "0"], "--max-shard-size 0: not a positive size"),
+    (["--max-shard-size", "-2GB"], "--max-shard-size -2GB"),
+    (["--method", "gptq", "--seqlen", "100000"], "--seqlen 100000: longer than the model's context"),
+])
+def test_more_bad_quantize_flags(capsys, src, tmp_path, args, message):
+    code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst", "--group-size", "64", *args)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_generate_and_eval_flags_fail_before_loading(capsys, src, tmp_path):
+    code, err = run_cli(capsys, "generate", "-m", src, "-p", "hi", "--stop", "")
+    assert code != 0 and "--stop" in err
+    for args, message in ((["--max-chunks", "0"], "--max-chunks"), (["--json", tmp_path / "no" / "r.json"], "--json"),
+                          (["--markdown", tmp_path], "--markdown")):
+        code, err = run_cli(capsys, "eval", src, "--baseline", src, *args)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
