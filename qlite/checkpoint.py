@@ -25,6 +25,7 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from .backends import backend_named, use_backend
-from .checkpoint import FLOAT_DTYPES, SAFETENSORS_DTYPES, CheckpointDir
+from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
 from .errors import QliteError
 from .memory import large_allocations_from_mmap, release_freed_memory
-from .model import Qwen2ForCausalLM, checkpoint_layout
+from .model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
 
 
@@ -53,8 +53,8 @@ def check_dtypes(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]]
             info = ckpt.tensors[name]
             ok = info.torch_dtype == want if want is not None else info.dtype in FLOAT_STORAGE
             if not ok:
-                expected = next(n for n, d in SAFETENSORS_DTYPES.items() if d == want) if want else "a float type"
-                raise QliteError(f"{info.file}: tensor {name} is stored as {info.dtype}, expected {expected}")
+                raise QliteError(f"{info.file}: tensor {name} is stored as {info.dtype}, "
+                                 f"expected {DTYPE_NAMES[want] if want else 'a float type'}")
 
 
 def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], convert) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         return out.clone() if out is t else out
 
     layout = checkpoint_layout(model)
-    ckpt.check_tensors({name: shape for parts in layout.values() for name, shape in parts})
+    ckpt.check_tensors(checkpoint_shapes(layout))
     check_dtypes(ckpt, layout, {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if k not in params})
     model.load_state_dict(read_state(ckpt, layout, convert), assign=True, strict=False)
     model.tie_weights()

@@ -275,6 +275,14 @@ def checkpoint_module(name: str) -> str:
     return re.sub(r"\.(?:qkv_proj|gate_up_proj)\.", ".", name)
 
 
+def linear_parts(name: str, linear: nn.Module) -> list[tuple[str, int]]:
+    """(checkpoint module name, rows) of each part of a linear module, in row order: one for a plain
+    linear, the fused projections' parts for qkv_proj / gate_up_proj."""
+    parent, _, own = checkpoint_module(name).rpartition(".")
+    parts = getattr(linear, "fused_parts", None) or ((own, linear.out_features),)
+    return [(f"{parent}.{part}".lstrip("."), rows) for part, rows in parts]
+
+
 def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """For every tensor of the model's state dict, the checkpoint tensors (name, shape) whose rows,
     concatenated in order, make it. A tensor shared with another (tied lm_head) is listed once."""
@@ -285,10 +293,14 @@ def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, 
             continue
         seen.add(id(t))
         module, _, tensor = key.rpartition(".")
-        parts = getattr(modules[module], "fused_parts", None)
-        if parts is None:
+        if getattr(modules[module], "fused_parts", None) is None:
             layout[key] = [(f"{checkpoint_module(module)}.{tensor}".lstrip("."), tuple(t.shape))]
         else:
-            parent = checkpoint_module(module).rpartition(".")[0]
-            layout[key] = [(f"{parent}.{part}.{tensor}", (rows, *t.shape[1:])) for part, rows in parts]
+            layout[key] = [(f"{part}.{tensor}", (rows, *t.shape[1:]))
+                           for part, rows in linear_parts(module, modules[module])]
     return layout
+
+
+def checkpoint_shapes(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor a layout names, with its shape."""
+    return {name: shape for parts in layout.values() for name, shape in parts}

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX_NAME, SAFETENSORS_DTYPES
-
-DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+from .checkpoint import DTYPE_NAMES, INDEX_NAME
 
 
 @dataclass(frozen=True)

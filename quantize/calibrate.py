@@ -20,7 +20,7 @@ from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import IntFormat
 from qlite.memory import PeakAnonSampler
-from qlite.model import DecoderLayer, Linear, RMSNorm, Rotary, Step, checkpoint_layout, checkpoint_module
+from qlite.model import DecoderLayer, Linear, RMSNorm, Rotary, Step, checkpoint_layout, linear_parts
 from qlite.qconfig import QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
@@ -60,16 +60,6 @@ def run_batched(fn, x: torch.Tensor, in_place: bool = False) -> None:
             x[i:i + BATCH] = y
 
 
-def linear_parts(name: str, linear: torch.nn.Linear):
-    """(checkpoint module name, first row, rows) of each part of a (possibly fused) linear."""
-    parent = checkpoint_module(name).rpartition(".")[0]
-    parts = getattr(linear, "fused_parts", None) or ((checkpoint_module(name).rpartition(".")[2], linear.out_features),)
-    row = 0
-    for part, rows in parts:
-        yield f"{parent}.{part}".lstrip("."), row, rows
-        row += rows
-
-
 @torch.inference_mode()
 def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples: int, seqlen: int, act_order: bool,
                  damp: float, progress: bool = True) -> dict[str, dict[str, torch.Tensor]]:
@@ -84,12 +74,13 @@ def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples:
 
     def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor, update: bool = True) -> None:
         """GPTQ each part of one linear; with update, its weight becomes the dequantized result."""
-        for module, row, rows in linear_parts(name, linear):
+        row = 0
+        for module, rows in linear_parts(name, linear):
+            weight, row = linear.weight[row:row + rows], row + rows
             fmt = qconfig.format_for(module)
             if fmt is None:
                 continue
             fmt.check(linear.in_features, module)
-            weight = linear.weight[row:row + rows]
             out[module] = gptq_linear(weight, hessian, fmt, damp=damp, act_order=act_order)
             if update:
                 weight.copy_(fmt.dequantize(out[module], linear.in_features))

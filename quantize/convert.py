@@ -23,7 +23,7 @@ from qlite.checkpoint import CheckpointDir, atomic_output_dir, check_output
 from qlite.errors import QliteError
 from qlite.formats import Format
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
-from qlite.model import Qwen2ForCausalLM, checkpoint_layout
+from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from qlite.qconfig import QuantConfig
 from qlite.safetensors_io import TensorSpec, write_sharded
 
@@ -90,7 +90,7 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
     """The checkpoint names and shapes a 16-bit checkpoint of this config holds (the loader's layout)."""
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    return {name: shape for parts in checkpoint_layout(model).values() for name, shape in parts}
+    return checkpoint_shapes(checkpoint_layout(model))
 
 
 def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
