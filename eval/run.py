@@ -16,6 +16,7 @@ from qlite.config import load_config
 from qlite.errors import QliteError
 from qlite.info import decoder_linear_bits_per_weight, format_name
 from qlite.loader import load_model
+from qlite.outputs import write_file_atomic
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
 
@@ -104,9 +105,9 @@ def markdown_table(rows: list[Row], baseline: str, ctx: int) -> str:
 def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | None, md_path: Path | None) -> str:
     table = markdown_table(rows, baseline, ctx)
     if json_path:
-        json_path.write_text(json.dumps({"baseline": baseline, "ctx": ctx, "scoring": SCORING,
+        write_file_atomic(json_path, json.dumps({"baseline": baseline, "ctx": ctx, "scoring": SCORING,
                                          "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                                          "rows": [asdict(r) for r in rows]}, indent=2))
     if md_path:
-        md_path.write_text(table + "\n")
+        write_file_atomic(md_path, table + "\n")
     return table

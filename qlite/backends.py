@@ -56,14 +56,15 @@ class Backend:
     quantized: tuple  # kernel classes for QuantLinear layers, the first that supports a layer runs it
     dense: tuple  # kernel classes for 16-bit Linear layers (none that fits: torch's F.linear)
     ops: type  # the small ops
+    quantized_only: bool = False  # it changes nothing for a 16-bit model: naming it there is a mistake
 
 
 NATIVE_QUANTIZED = (NativeInt8, NativeInt4)
 BACKENDS = {
     "reference": Backend((Reference,), (), TorchOps),
-    "aten": Backend((AtenInt8, AtenInt4), (), TorchOps),
+    "aten": Backend((AtenInt8, AtenInt4), (), TorchOps, quantized_only=True),
     "native": Backend(NATIVE_QUANTIZED, (NativeBf16,), NativeOps),
-    "bnb": Backend((BnbNF4, BnbInt8), (), TorchOps),
+    "bnb": Backend((BnbNF4, BnbInt8), (), TorchOps, quantized_only=True),
     "auto": Backend((*NATIVE_QUANTIZED, AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference), (NativeBf16,), NativeOps),
 }
 
@@ -84,6 +85,9 @@ def choose_kernel(layer, name: str):
 def use_backend(model: nn.Module, name: str = "auto") -> None:
     """Give every linear layer of a loaded model its kernel and every module its ops, once."""
     backend = backend_named(name)
+    if backend.quantized_only and not any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise QliteError(f"--kernel {name}: runs quantized layers, and this is a 16-bit checkpoint (use auto, "
+                         "native or reference)")
     ops = backend.ops if backend.ops is TorchOps or native.library() is not None else TorchOps
     for module_name, mod in model.named_modules():
         if isinstance(mod, (QuantLinear, Linear)):

@@ -1,15 +1,10 @@
-"""A checkpoint directory as qlite reads it (config.json, safetensors shards and their index, side
-files such as the tokenizer), and the one way qlite writes an output directory: into a temporary
-dir beside it, moved into place only when complete. Safetensors only: no pickle is ever loaded."""
+"""A checkpoint directory as qlite reads it: config.json, safetensors shards and their index, side
+files such as the tokenizer. Safetensors only: no pickle is ever loaded. (Writing: outputs.py.)"""
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +86,8 @@ class CheckpointDir:
             return [self.path / f for f in files]
         single = self.path / "model.safetensors"
         if single.exists():
+            if not single.is_file() or not _inside(single, self.path):
+                raise QliteError(f"{single}: not a regular file in {self.path}")
             return [single]
         if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
             raise QliteError(f"{self.path}: only pickle weights (.bin/.pt) found; qlite loads safetensors only")
@@ -118,13 +115,19 @@ class CheckpointDir:
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, read through its own mapping of the file (dropped with it: the pages read do
-        not stay resident once the tensor is converted or copied)."""
+        not stay resident once the tensor is converted or copied); a float tensor must be finite."""
         from safetensors import safe_open
 
         if name not in self.tensors:
             raise QliteError(f"{self.path}: missing tensor {name}")
-        with safe_open(self.tensors[name].file, framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        info = self.tensors[name]
+        with safe_open(info.file, framework="pt", device="cpu") as f:
+            t = f.get_tensor(name)
+        if t.is_floating_point() and t.numel():
+            lo, hi = torch.aminmax(t)  # NaN propagates; one fast pass
+            if not (torch.isfinite(lo) and torch.isfinite(hi)):
+                raise QliteError(f"{info.file}: tensor {name} holds NaN or infinite values")
+        return t
 
     def check_tensors(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected name present with its shape, and nothing else."""
@@ -155,47 +158,3 @@ def _inside(path: Path, directory: Path) -> bool:
     cache snapshot (SNAPSHOT/../../blobs, where the hub's own links point)."""
     target = path.resolve().parents
     return directory.resolve() in target or (directory / ".." / ".." / "blobs").resolve() in target
-
-
-def check_output(dst: Path, force: bool, inputs=()) -> None:
-    """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
-    with config.json) that holds none of the inputs: never an input itself or a dir above one, never
-    a plain file or a dir that is not a checkpoint."""
-    dst = Path(dst)
-    for path in inputs:
-        path = Path(path).resolve()
-        if dst.resolve() == path or dst.resolve() in path.parents:
-            raise QliteError(f"{dst}: holds the input {path}; choose another output")
-    if not dst.exists() and not dst.is_symlink():
-        return
-    if not force:
-        raise QliteError(f"{dst}: already exists (use --force to replace it)")
-    if dst.is_symlink() or not dst.is_dir() or not (dst / "config.json").is_file():
-        raise QliteError(f"{dst}: --force replaces only a checkpoint dir (one with config.json), and this is not one")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
-    """Yield a temporary dir beside dst; on success it replaces dst, on any failure it is removed.
-    dst is checked first (check_output) and again before the move, so a dir that another run
-    finished meanwhile is never replaced without --force."""
-    dst = Path(dst)
-    check_output(dst, force, inputs)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
-    try:
-        yield tmp
-        check_output(dst, force, inputs)
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -2,19 +2,69 @@
 (QLITE_DEBUG=1 shows one). quantize/ and eval/ are imported inside the commands that use them."""
 from __future__ import annotations
 
-import os
 import sys
-import time
-from pathlib import Path
 
-import click
 
-from .errors import QliteError
+def _interrupted(kind, value, traceback, default=sys.excepthook):
+    """A Ctrl-C that arrives before main() (while modules load) is one line too."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.stderr.write("error: interrupted\n")
+    else:
+        default(kind, value, traceback)
+
+
+sys.excepthook = _interrupted
+
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from .errors import QliteError  # noqa: E402
 
 DTYPE_CHOICES = click.Choice(["auto", "float32", "bfloat16", "float16"])
+KERNEL_CHOICES = click.Choice(["auto", "native", "aten", "bnb", "reference"])  # backends.BACKENDS (tested)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Number(click.ParamType):
+    """A finite int or float within bounds, checked when the flags are parsed (NaN is refused:
+    click's FloatRange lets it through)."""
+
+    def __init__(self, kind: type, low=None, high=None, low_open: bool = False, rule: str = ""):
+        self.kind, self.low, self.high, self.low_open, self.rule = kind, low, high, low_open, rule
+        self.name = kind.__name__
+
+    def convert(self, value, param, ctx):
+        try:
+            v = self.kind(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        below = self.low is not None and (v <= self.low if self.low_open else v < self.low)
+        if not math.isfinite(v) or below or (self.high is not None and v > self.high):
+            self.fail(f"{value} is not {self.rule}", param, ctx)
+        return v
+
+
+def at_least(n: int) -> Number:
+    return Number(int, low=n, rule=f">= {n}")
+
+
+class Interrupted(Exception):
+    """A Ctrl-C in a command, carried past click (which would print a blank line for it)."""
+
+
+class Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="qlite")
 def cli():
     """Quantized, low-memory inference for Qwen2-family models."""
@@ -22,10 +72,17 @@ def cli():
 
 def read_prompt(prompt: str | None) -> str:
     if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 reach argv as lone surrogates
+            raise QliteError("--prompt: not UTF-8 text") from None
         return prompt
     if sys.stdin is None or sys.stdin.isatty():
         raise QliteError("no prompt: give --prompt or pipe one on stdin")
-    text = sys.stdin.read()
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise QliteError(f"stdin: the prompt is not UTF-8 text (byte {e.start})") from None
     if not text.strip():
         raise QliteError("no prompt: stdin was empty")
     return text
@@ -37,16 +94,16 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--prompt", "-p", help="prompt text (default: read stdin)")
 @click.option("--system", help="system message (chat mode)")
 @click.option("--raw", is_flag=True, help="send the prompt as is, without the chat template")
-@click.option("--temperature", type=float, help="0 is greedy (the default unless generation_config.json samples)")
-@click.option("--top-k", type=int, help="keep the k most likely tokens (0: off)")
-@click.option("--top-p", type=float, help="nucleus sampling mass (1: off)")
-@click.option("--repetition-penalty", type=float, help="> 1 discourages repeats (1: off)")
+@click.option("--temperature", type=Number(float, low=0, rule=">= 0"), help="0 is greedy (the default unless generation_config.json samples)")
+@click.option("--top-k", type=at_least(0), help="keep the k most likely tokens (0: off)")
+@click.option("--top-p", type=Number(float, 0, 1, low_open=True, rule="in (0, 1]"), help="nucleus sampling mass (1: off)")
+@click.option("--repetition-penalty", type=Number(float, 0, low_open=True, rule="> 0"), help="> 1 discourages repeats (1: off)")
 @click.option("--seed", type=int, help="random seed for sampling")
-@click.option("--max-new-tokens", type=int, default=512, show_default=True)
+@click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto")
-@click.option("--kernel", default="auto", show_default=True,
+@click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True,
               help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetition_penalty, seed,
@@ -87,8 +144,8 @@ def info(model_dir):
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<format>)")
-@click.option("--bits", type=int, default=4, show_default=True, help="4 or 8")
-@click.option("--group-size", type=int, default=None,
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--group-size", type=at_least(1), default=None,
               help="weights per scale along the input; int4 default 128, int8 default per output channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
@@ -99,18 +156,19 @@ def info(model_dir):
               help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
               "--symmetric; 16: not quantized (the default for bitsandbytes formats)")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
-@click.option("--force", is_flag=True, help="replace --out if it exists")
+@click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="round to nearest, or GPTQ calibrated one decoder layer at a time")
 @click.option("--calib-data", default="builtin", show_default=True, help="GPTQ: builtin (code + prose) or a text file")
-@click.option("--nsamples", type=int, default=128, show_default=True, help="GPTQ: calibration windows")
-@click.option("--seqlen", type=int, default=512, show_default=True, help="GPTQ: tokens per window")
+@click.option("--nsamples", type=at_least(1), default=128, show_default=True, help="GPTQ: calibration windows")
+@click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
-@click.option("--damp", type=float, default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
+@click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
 def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, max_shard_size, force, method,
              calib_data, nsamples, seqlen, act_order, damp):
     """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
     calibrated with GPTQ one decoder layer at a time."""
+    bits = int(bits)
     if group_size is None and bits == 4 and scheme == "int":
         group_size = 128
     formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
@@ -156,8 +214,8 @@ def check_writable(path: Path | None, flag: str) -> None:
 @click.option("--baseline", required=True, type=click.Path(path_type=Path), help="the 16-bit checkpoint dir")
 @click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
               help="code, prose (built in, offline) or a text file; repeatable")
-@click.option("--ctx", type=int, default=512, show_default=True, help="tokens per chunk")
-@click.option("--max-chunks", type=click.IntRange(min=1), help="at most this many chunks per data source")
+@click.option("--ctx", type=at_least(2), default=512, show_default=True, help="tokens per chunk")
+@click.option("--max-chunks", type=at_least(1), help="at most this many chunks per data source")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
@@ -175,7 +233,7 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, dtype, json_path, md_p
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
-@click.option("--force", is_flag=True, help="replace OUT_DIR if it exists")
+@click.option("--force", is_flag=True, help="replace OUT_DIR if it is a checkpoint dir (config.json) that holds no input")
 def import_gguf_cmd(gguf_file, out_dir, dtype, force):
     """Convert a qwen2 GGUF file into a checkpoint dir (safetensors, tokenizer, config)."""
     from .gguf import import_gguf
@@ -195,9 +253,27 @@ def fetch_demo_cmd(out_dir):
     click.echo(str(out))
 
 
-def main(argv=None) -> int:
+def import_torch_uninterrupted() -> None:
+    """torch takes seconds to import, and a Ctrl-C in the middle leaves it half-imported (a later
+    import fails with odd errors): hold a Ctrl-C until the import is done, then act on it."""
+    if "torch" in sys.modules:
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
     try:
-        cli.main(args=argv, prog_name="qlite", standalone_mode=False)
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if args and not {"-h", "--help", "--version"} & set(args):
+            import_torch_uninterrupted()
+        cli.main(args=args, prog_name="qlite", standalone_mode=False)
         return 0
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -207,7 +283,7 @@ def main(argv=None) -> int:
     except QliteError as e:
         click.echo(f"error: {e}", err=True)
         return 1
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, Interrupted, click.exceptions.Abort):
         click.echo("error: interrupted", err=True)
         return 130
     except BrokenPipeError:

@@ -82,14 +82,28 @@ class Qwen2Config:
             raise QliteError(f"{source}: head_dim {self.head_dim} must be even for RoPE")
 
 
-def read_json(path: Path) -> dict:
+def read_text(path: Path) -> str:
+    """A small text file of a checkpoint, every failure naming it."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return f.read()
     except FileNotFoundError:
         raise QliteError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise QliteError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise QliteError(f"{path}: unreadable ({e.strerror})") from None
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file (config, index, tokenizer config), every failure naming the file."""
+    try:
+        value = json.loads(read_text(path))
+    except (json.JSONDecodeError, RecursionError) as e:
         raise QliteError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise QliteError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def load_config(model_dir: str | Path) -> Qwen2Config:

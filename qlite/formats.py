@@ -97,7 +97,7 @@ class Format:
 
     def check(self, in_features: int, where: str) -> None:
         if self.group_size is not None and in_features % self.group_size:
-            raise QliteError(f"--group-size {self.group_size} does not divide {where}'s input width {in_features}")
+            raise QliteError(f"group size {self.group_size} does not divide {where}'s input width {in_features}")
 
 
 def format_named(name: str) -> Format:
@@ -118,10 +118,10 @@ def format_for_fields(scheme: str, bits: int | None, group_size: int | None, sym
         cls = REGISTRY.get((scheme, bits))
     if cls is None:
         if scheme == "int":
-            raise QliteError(f"--bits {bits}: qlite quantizes to 4 or 8 bits")
-        raise QliteError(f"--format {scheme}: unknown")
+            raise QliteError(f"bits {bits}: qlite quantizes to 4 or 8 bits")
+        raise QliteError(f"scheme {scheme!r}: unknown")
     if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
-        raise QliteError(f"--group-size {group_size}: must be a positive number of weights")
+        raise QliteError(f"group size {group_size}: must be a positive number of weights")
     return cls.make(group_size, symmetric)
 
 
@@ -218,7 +218,7 @@ class Int4(IntFormat, scheme="int", bits=4):
     @classmethod
     def make(cls, group_size, symmetric):
         if group_size is None:
-            raise QliteError("--group-size: int4 needs a group size (for example 128)")
+            raise QliteError("int4 needs a group size (for example 128)")
         return cls(group_size, bool(symmetric))
 
     def stored_shapes(self, out_features, in_features):

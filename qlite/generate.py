@@ -3,12 +3,16 @@ preallocated KV cache (left-padded batches allowed), and text streaming with sto
 The processing order follows HF transformers: penalty, temperature, top-k, top-p."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
 from .errors import QliteError
+
+NON_FINITE = "the model's logits are NaN or infinite: its weights or activations overflowed (try --dtype float32)"
+INITIAL_NEW_TOKENS = 256  # the KV cache's first size past the prompt; it doubles as needed
 
 
 @dataclass(frozen=True)
@@ -23,15 +27,16 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.temperature >= 0, "--temperature", "must be >= 0"),
-            (self.top_k >= 0, "--top-k", "must be >= 0"),
-            (0 < self.top_p <= 1, "--top-p", "must be in (0, 1]"),
-            (self.repetition_penalty > 0, "--repetition-penalty", "must be > 0"),
-            (self.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.top_k >= 0, "top_k", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "must be > 0"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
         ]
-        for ok, flag, why in checks:
-            if not ok:
-                raise QliteError(f"{flag} {why}")
+        for ok, name, why in checks:
+            if not ok:  # the CLI checks its flags first; this is a file's value (generation_config.json)
+                raise QliteError(f"{name} {why}")
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +76,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor 
     if params.greedy:
         return logits.argmax(-1)
     logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    probs = logits.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise QliteError(NON_FINITE)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @torch.inference_mode()
@@ -106,10 +114,12 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
 
-    cache = model.new_cache(B, capacity)
+    cache = model.new_cache(B, min(capacity, L + INITIAL_NEW_TOKENS), limit=capacity)  # grows as tokens come
     logits = model(ids, cache, positions, key_mask[:, :L] if padded else None, last_only=True)
     next_pos = positions[:, -1:] + 1  # (B, 1)
     for step in range(capacity - L):
+        if not bool(torch.isfinite(logits[:, -1]).all()):
+            raise QliteError(f"{NON_FINITE} (at generated token {step + 1})")
         token = next_token(logits[:, -1].float(), params, seen, generator)
         token = token.masked_fill(finished, pad_id)
         yield token

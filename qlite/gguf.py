@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import FLOAT_DTYPES, atomic_output_dir, check_output
+from .checkpoint import FLOAT_DTYPES
+from .outputs import atomic_output_dir, check_output
 from .errors import QliteError
 from .safetensors_io import TensorSpec, write_sharded
 
@@ -51,10 +52,10 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
-def read_config(reader, source: str) -> dict:
+def read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "qwen2":
-        raise QliteError(f"{source}: architecture is {arch!r}, qlite imports only 'qwen2'")
+        raise QliteError(f"architecture is {arch!r}, qlite imports only 'qwen2'")
     try:
         n_head = int(_field(reader, "qwen2.attention.head_count"))
         cfg = {
@@ -75,11 +76,11 @@ def read_config(reader, source: str) -> dict:
             "hidden_act": "silu",
         }
     except (KeyError, TypeError) as e:
-        raise QliteError(f"{source}: GGUF metadata incomplete ({e})") from None
+        raise QliteError(f"GGUF metadata incomplete ({e})") from None
     cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # stored as float32: 1e-6, not 9.99e-7
     blocks = {int(m[1]) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in reader.tensors) if m}
     if len(blocks) != cfg["num_hidden_layers"] or blocks and max(blocks) != len(blocks) - 1:  # 0..n-1
-        raise QliteError(f"{source}: qwen2.block_count is {cfg['num_hidden_layers']}, the tensors hold {len(blocks)} blocks")
+        raise QliteError(f"qwen2.block_count is {cfg['num_hidden_layers']}, the tensors hold {len(blocks)} blocks")
     return cfg
 
 
@@ -107,6 +108,26 @@ def build_tokenizer(reader):
     return tok
 
 
+def read_metadata(reader) -> tuple[dict, object, dict, dict]:
+    """config.json, the tokenizer, tokenizer_config.json and generation_config.json from the metadata."""
+    config = read_config(reader)
+    tokenizer = build_tokenizer(reader)
+    eos = config["eos_token_id"]
+    pad = int(_field(reader, "tokenizer.ggml.padding_token_id", config["bos_token_id"]))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tok_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": tokens[eos], "pad_token": tokens[pad], "bos_token": None,
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": config["max_position_embeddings"],
+    }
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        tok_config["chat_template"] = template
+    gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": pad, "eos_token_id": sorted({eos, pad})}
+    return config, tokenizer, tok_config, gen_config
+
+
 def _dequantized(t) -> np.ndarray:
     from gguf.quants import dequantize
     # GGUF lists the fastest axis first, so numpy's shape is already (out_features, in_features).
@@ -130,10 +151,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         raise QliteError(f"{gguf_path}: not found") from None
     except Exception as e:  # the reader raises ValueError, struct errors, ... on a bad file
         raise QliteError(f"{gguf_path}: not a readable GGUF file ({e})") from None
-    config = read_config(reader, str(gguf_path))
-    tokenizer = build_tokenizer(reader)
-    specs = [TensorSpec(hf_name(t.name), torch_dtype, tuple(int(d) for d in reversed(t.shape)))
-             for t in reader.tensors]
+    try:
+        config, tokenizer, tok_config, gen_config = read_metadata(reader)
+        specs = [TensorSpec(hf_name(t.name), torch_dtype, tuple(int(d) for d in reversed(t.shape)))
+                 for t in reader.tensors]
+    except QliteError as e:
+        raise QliteError(f"{gguf_path}: {e}") from None
+    except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError, OverflowError) as e:
+        raise QliteError(f"{gguf_path}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
     config["torch_dtype"] = dtype
 
     def tensors():
@@ -141,20 +166,6 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         for t in tqdm(reader.tensors, desc="import", unit="tensor", disable=not progress, leave=False):
             yield hf_name(t.name), torch.from_numpy(_dequantized(t)).to(torch_dtype)
 
-    eos = config["eos_token_id"]
-    pad = int(_field(reader, "tokenizer.ggml.padding_token_id", config["bos_token_id"]))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    tok_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "eos_token": tokens[eos], "pad_token": tokens[pad], "bos_token": None,
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": config["max_position_embeddings"],
-    }
-    template = _field(reader, "tokenizer.chat_template")
-    if template:
-        tok_config["chat_template"] = template
-    gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": pad,
-                  "eos_token_id": sorted({eos, pad})}
     with atomic_output_dir(out_dir, force=force, inputs=(gguf_path,)) as tmp:
         write_sharded(tmp, specs, tensors(), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

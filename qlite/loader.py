@@ -93,8 +93,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     dev = resolve_device(device)
     large_allocations_from_mmap()
     float_dtype = resolve_dtype(dtype, dev)
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+    except QliteError as e:  # a format that cannot hold a layer (a group size that does not divide, ...)
+        raise QliteError(f"{ckpt.path / 'config.json'}: quantization_config: {e}") from None
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
 
     def convert(key, t):

@@ -137,14 +137,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated: (layers, B, n_kv_heads, capacity, head_dim)."""
+    """Keys and values of every layer: (layers, B, n_kv_heads, capacity, head_dim). It starts at
+    `capacity` tokens and grows (doubling, copied) as tokens arrive, up to `limit`: memory follows
+    what a generation uses, not what it might."""
 
-    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype: torch.dtype, device="cpu"):
+    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype: torch.dtype, device="cpu",
+                 limit: int | None = None):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+        self.limit = max(capacity, limit or capacity)
         self.length = 0  # tokens stored; a forward's layers write at length.., then it advances
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` in all: grow if needed, up to the limit."""
+        if tokens <= self.capacity:
+            return
+        if tokens > self.limit:
+            raise ValueError(f"KV cache holds at most {self.limit} tokens, {tokens} asked")
+        grown = min(self.limit, max(tokens, 2 * self.capacity))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], grown, old.shape[4]))
+            new[:, :, :, :self.length] = old[:, :, :, :self.length]
+            setattr(self, name, new)
+            del old
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, n_kv, T, head_dim) after the cached tokens; return all of them (B, n_kv, length + T, hd)."""
@@ -245,8 +266,8 @@ class Qwen2ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache(self.config, batch, capacity, self.dtype, self.device)
+    def new_cache(self, batch: int, capacity: int, limit: int | None = None) -> KVCache:
+        return KVCache(self.config, batch, capacity, self.dtype, self.device, limit)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 key_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
@@ -255,8 +276,8 @@ class Qwen2ForCausalLM(nn.Module):
         positions (B, T) default to cache.length + 0..T-1."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
-        if cache is not None and start + T > cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} tokens, {start + T} asked")
+        if cache is not None:
+            cache.reserve(start + T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start)

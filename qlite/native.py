@@ -89,9 +89,36 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _check(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple, name: str) -> None:
+    """The C side trusts sizes: every buffer is checked here first, so a wrong call is an error,
+    never a read or write out of bounds."""
+    if t is None or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', strided'}"
+        raise ValueError(f"native kernel: {name} must be contiguous {dtype} {shape} on the CPU, got {got}")
+
+
+def _check_rule(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"native kernel: {what}")
+
+
+def _check_groups(N: int, K: int, G: int, weights_per_step: int) -> None:
+    _check_rule(0 < G <= MAX_GROUPS and K % G == 0 and (K // G) % weights_per_step == 0,
+                f"{G} groups over {K} inputs (at most {MAX_GROUPS}, each a multiple of {weights_per_step} wide)")
+
+
+def _check_gemv(x: torch.Tensor, K: int, bias32: torch.Tensor | None, N: int) -> None:
+    _check_rule(x.shape[-1] == K, f"x is {x.shape[-1]} wide, the weight {K}")
+    if bias32 is not None:
+        _check(bias32, torch.float32, (N,), "bias")
+
+
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) -> x @ weight.T + bias for a bf16 weight [N, K]; bias32 from float_bias."""
     N, K = weight.shape
+    _check(weight, torch.bfloat16, (N, K), "weight")
+    _check_rule(K % 64 == 0, f"K {K} is not a multiple of 64")
+    _check_gemv(x, K, bias32, N)
     xb, M, y, out_bf16 = _gemv_io(x, K, N)
     library().qlite_gemv_bf16(xb.data_ptr(), M, weight.data_ptr(), N, K, _ptr(bias32), y.data_ptr(), out_bf16,
                               torch.get_num_threads())
@@ -101,6 +128,8 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None
 def gemv_int8(x: torch.Tensor, qweight, scales, bias32) -> torch.Tensor:
     """The same for int8 codes [N, K] with fp16 scales [N, groups]."""
     N, K = qweight.shape
+    _check_int8(qweight, scales)
+    _check_gemv(x, K, bias32, N)
     xb, M, y, out_bf16 = _gemv_io(x, K, N)
     library().qlite_gemv_int8(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K,
                               _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
@@ -110,14 +139,32 @@ def gemv_int8(x: torch.Tensor, qweight, scales, bias32) -> torch.Tensor:
 def gemv_int4(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
     """The same for packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]."""
     N, K = qweight.shape[0], 2 * qweight.shape[1]
+    _check_int4(qweight, scales, zeros)
+    _check_gemv(x, K, bias32, N)
     xb, M, y, out_bf16 = _gemv_io(x, K, N)
     library().qlite_gemv_int4(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
                               scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
     return y
 
 
+def _check_int8(qweight, scales) -> None:
+    N, K = qweight.shape
+    _check(qweight, torch.int8, (N, K), "qweight")
+    _check(scales, torch.float16, (N, scales.shape[-1]), "scales")
+    _check_groups(N, K, scales.shape[-1], 32)
+
+
+def _check_int4(qweight, scales, zeros) -> None:
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    _check(qweight, torch.uint8, (N, K // 2), "qweight")
+    _check(scales, torch.float16, (N, scales.shape[-1]), "scales")
+    _check(zeros, torch.uint8, (N, scales.shape[-1]), "zeros")
+    _check_groups(N, K, scales.shape[-1], 64)
+
+
 def dequantize_int8(qweight, scales) -> torch.Tensor:
     N, K = qweight.shape
+    _check_int8(qweight, scales)
     out = torch.empty(N, K, dtype=torch.bfloat16)
     library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, out.data_ptr(),
                                     torch.get_num_threads())
@@ -126,6 +173,7 @@ def dequantize_int8(qweight, scales) -> torch.Tensor:
 
 def dequantize_int4(qweight, scales, zeros) -> torch.Tensor:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
+    _check_int4(qweight, scales, zeros)
     out = torch.empty(N, K, dtype=torch.bfloat16)
     library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K,
                                     out.data_ptr(), torch.get_num_threads())
@@ -140,6 +188,9 @@ def bf16_ready(x: torch.Tensor) -> bool:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of bf16 rows with a bf16 weight, rounded as torch rounds it (see model.RMSNorm)."""
     x = x.contiguous()
+    _check(x, torch.bfloat16, tuple(x.shape), "x")
+    _check(weight, torch.bfloat16, (x.shape[-1],), "weight")
+    _check_rule(x.shape[-1] % 16 == 0, f"rows {x.shape[-1]} wide, not a multiple of 16")
     out = torch.empty_like(x)
     library().qlite_rmsnorm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
     return out
@@ -149,6 +200,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for bf16 rows [gate | up]."""
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
+    _check(gate_up, torch.bfloat16, tuple(gate_up.shape), "gate_up")
+    _check_rule(gate_up.shape[-1] % 32 == 0, f"rows {gate_up.shape[-1]} wide, not a multiple of 32")
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
     library().qlite_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * n), n, out.data_ptr())
     return out
@@ -159,8 +212,16 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
     """One token of one sequence: rotary q and k (cos/sin float32 [head_dim]), k and v stored at `pos`
     of the caches (bf16 [n_kv, capacity, head_dim]), attention over 0..pos. Returns bf16 [n_head * head_dim]."""
     n_kv, capacity, hd = cache_k.shape
-    assert cache_k.is_contiguous() and cache_v.is_contiguous() and qkv.numel() == (n_head + 2 * n_kv) * hd
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    _check(cache_k, torch.bfloat16, (n_kv, capacity, hd), "cache_k")
+    _check(cache_v, torch.bfloat16, (n_kv, capacity, hd), "cache_v")
+    _check(qkv, torch.bfloat16, tuple(qkv.shape), "qkv")
+    _check_rule(qkv.numel() == (n_head + 2 * n_kv) * hd and n_head % n_kv == 0 and hd % 32 == 0,
+                f"qkv of {qkv.numel()} for {n_head} + 2 x {n_kv} heads of {hd}")
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        _check(t, torch.float32, tuple(t.shape), name)
+        _check_rule(t.numel() == hd, f"{name} holds {t.numel()} values, head_dim is {hd}")
+    _check_rule(0 <= pos < capacity, f"position {pos} outside a cache of {capacity}")
     out = torch.empty(n_head * hd, dtype=torch.bfloat16)
     library().qlite_decode_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
                                      cache_v.data_ptr(), n_head, n_kv, hd, capacity, pos, out.data_ptr(),

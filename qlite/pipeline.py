@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import read_json
+from .errors import QliteError
 from .generate import SamplingParams, stream_text
 from .tokenizer import Tokenizer
 
@@ -17,7 +18,12 @@ def sampling_defaults(model_dir: Path) -> dict:
     if not gen.get("do_sample"):
         return {}
     keys = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
-    return {k: cast(gen[k]) for k, cast in keys.items() if gen.get(k) is not None}
+    try:
+        defaults = {k: cast(gen[k]) for k, cast in keys.items() if gen.get(k) is not None}
+        SamplingParams(**defaults)  # checked here, so that a bad value names this file
+    except (TypeError, ValueError, QliteError) as e:
+        raise QliteError(f"{path}: {e}") from None
+    return defaults
 
 
 def eos_token_ids(model_dir: Path, config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:

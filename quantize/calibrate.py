@@ -80,7 +80,6 @@ def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples:
             fmt = qconfig.format_for(module)
             if fmt is None:
                 continue
-            fmt.check(linear.in_features, module)
             out[module] = gptq_linear(weight, hessian, fmt, damp=damp, act_order=act_order)
             if update:
                 weight.copy_(fmt.dequantize(out[module], linear.in_features))

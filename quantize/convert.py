@@ -19,11 +19,12 @@ from typing import Callable
 
 import torch
 
-from qlite.checkpoint import CheckpointDir, atomic_output_dir, check_output
+from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import Format
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
+from qlite.outputs import atomic_output_dir, check_output
 from qlite.qconfig import QuantConfig
 from qlite.safetensors_io import TensorSpec, write_sharded
 
@@ -106,6 +107,12 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
         module = name.removesuffix(".weight")
         fmt = qconfig.format_for(module) if name.endswith(".weight") and len(info.shape) == 2 else None
         jobs.append(Job(name, module if fmt else name, fmt))
+    linears = [name.removesuffix(".weight") for name, info in src.tensors.items()
+               if name.endswith(".weight") and len(info.shape) == 2 and "embed_tokens" not in name] + ["lm_head"]
+    for s in qconfig.skip:
+        if not any(s in m for m in linears):
+            raise QliteError(f"--skip {s}: names no linear layer of {src.path} (names look like "
+                             f"model.layers.0.mlp.down_proj; any part of one will do, e.g. down_proj)")
     if cfg.tie_word_embeddings and qconfig.format_for("lm_head") is not None:
         jobs.append(Job("model.embed_tokens.weight", "lm_head", qconfig.format_for("lm_head")))  # an own head
     specs = []
@@ -114,7 +121,10 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
         if job.fmt is None:
             specs.append(TensorSpec(job.module, info.torch_dtype, info.shape))
             continue
-        job.fmt.check(info.shape[1], job.module)
+        try:
+            job.fmt.check(info.shape[1], job.module)
+        except QliteError as e:
+            raise QliteError(f"--group-size: {e}") from None
         for suffix, (dtype, shape) in job.fmt.stored_shapes(*info.shape).items():
             specs.append(TensorSpec(f"{job.module}.{suffix}", dtype, shape))
     return Plan(src, qconfig, jobs, specs, src.side_files())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -88,3 +89,78 @@ def check_prime_code(completion: str) -> None:
     probe = blocks[0] + f"\nprint([bool({name.group(1)}(n)) for n in (1, 2, 15, 17, 97)])\n"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
     assert r.stdout.strip() == "[False, True, False, True, True]", f"{r.stdout}{r.stderr}\n{completion}"
+
+
+H, I, LAYERS, HEADS, GGUF_KV = 64, 96, 2, 4, 2  # the tiny GGUF's sizes
+
+
+def tiny_vocab():
+    from tokenizers import pre_tokenizers
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "i n"]
+    tokens += [m.replace(" ", "") for m in merges]
+    types = [1] * len(tokens)
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
+    types += [3, 3, 3, 4]
+    return tokens, types, merges
+
+
+def write_tiny_gguf(path, arch="qwen2"):
+    """A tiny qwen2 GGUF written with gguf's own writer (some tensors Q8_0); returns the float source tensors."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    tokens, types, merges = tiny_vocab()
+    V, D = len(tokens), H // HEADS
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(GGUF_KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}<|im_start|>assistant\n")
+    source = {}
+
+    def add(name, shape, q8=False, scale=0.1):
+        arr = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if q8:  # stored as Q8_0, as many GGUF tensors are; the importer must dequantize it
+            w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0),
+                         raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+        source[name] = arr
+
+    add("token_embd.weight", (V, H), q8=True)
+    for b in range(LAYERS):
+        add(f"blk.{b}.attn_norm.weight", (H,), scale=1.0)
+        add(f"blk.{b}.attn_q.weight", (H, H), q8=True)
+        add(f"blk.{b}.attn_q.bias", (H,))
+        add(f"blk.{b}.attn_k.weight", (GGUF_KV * D, H))
+        add(f"blk.{b}.attn_k.bias", (GGUF_KV * D,))
+        add(f"blk.{b}.attn_v.weight", (GGUF_KV * D, H), q8=True)
+        add(f"blk.{b}.attn_v.bias", (GGUF_KV * D,))
+        add(f"blk.{b}.attn_output.weight", (H, H))
+        add(f"blk.{b}.ffn_norm.weight", (H,), scale=1.0)
+        add(f"blk.{b}.ffn_gate.weight", (I, H), q8=True)
+        add(f"blk.{b}.ffn_up.weight", (I, H))
+        add(f"blk.{b}.ffn_down.weight", (H, I), q8=True)
+    add("output_norm.weight", (H,), scale=1.0)
+    add("output.weight", (V, H))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return source

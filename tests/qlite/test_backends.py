@@ -75,3 +75,8 @@ def test_backend_is_chosen_once_and_can_be_changed(ckpts):
 def test_unknown_backend_is_a_one_line_error(ckpts):
     with pytest.raises(QliteError, match="--kernel fast: choose reference, aten, native, bnb, auto"):
         load_model(ckpts["bf16"], kernel="fast")
+
+
+def test_the_cli_offers_every_backend():
+    from qlite.cli import KERNEL_CHOICES
+    assert sorted(KERNEL_CHOICES.choices) == sorted(BACKENDS)

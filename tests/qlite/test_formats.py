@@ -107,10 +107,10 @@ def test_format_table_bits_per_weight():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(scheme="int", bits=3, group_size=None, symmetric=False), "--bits 3"),
+    (dict(scheme="int", bits=3, group_size=None, symmetric=False), "bits 3"),
     (dict(scheme="int", bits=4, group_size=None, symmetric=False), "int4 needs a group size"),
-    (dict(scheme="int", bits=4, group_size=0, symmetric=False), "--group-size 0"),
-    (dict(scheme="fp8", bits=8, group_size=None, symmetric=False), "--format fp8"),
+    (dict(scheme="int", bits=4, group_size=0, symmetric=False), "group size 0"),
+    (dict(scheme="fp8", bits=8, group_size=None, symmetric=False), "scheme 'fp8'"),
 ])
 def test_bad_format_fields(fields, message):
     with pytest.raises(QliteError, match=message):

@@ -44,10 +44,12 @@ def test_sampling_follows_the_distribution_and_the_seed():
     assert (torch.bincount(hot, minlength=3).float() / len(hot)).min() > 0.3  # near uniform
 
 
-@pytest.mark.parametrize("kwargs, flag", [(dict(temperature=-1), "--temperature"), (dict(top_p=0), "--top-p"),
-                                          (dict(top_k=-2), "--top-k"), (dict(max_new_tokens=0), "--max-new-tokens")])
-def test_bad_sampling_flags_are_named(kwargs, flag):
-    with pytest.raises(QliteError, match=flag):
+@pytest.mark.parametrize("kwargs, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                           (dict(temperature=float("nan")), "temperature"), (dict(top_k=-2), "top_k"),
+                                           (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+                                           (dict(max_new_tokens=0), "max_new_tokens")])
+def test_bad_sampling_settings_are_named(kwargs, field):
+    with pytest.raises(QliteError, match=f"^{field} must"):
         SamplingParams(**kwargs)
 
 

@@ -1,86 +1,12 @@
 """import-gguf on a tiny qwen2 GGUF written with gguf's own writer, checked against transformers
 loading the same file."""
-import numpy as np
 import pytest
 import torch
 
 from qlite.loader import load_model
 from qlite.gguf import import_gguf
 from qlite.tokenizer import Tokenizer
-
-H, I, LAYERS, HEADS, KV = 64, 96, 2, 4, 2
-
-
-def tiny_vocab():
-    from tokenizers import pre_tokenizers
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
-    merges = ["Ġ t", "h e", "Ġt he", "i n"]
-    tokens += [m.replace(" ", "") for m in merges]
-    types = [1] * len(tokens)
-    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
-    types += [3, 3, 3, 4]
-    return tokens, types, merges
-
-
-def write_tiny_gguf(path, arch="qwen2"):
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(0)
-    tokens, types, merges = tiny_vocab()
-    V, D = len(tokens), H // HEADS
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(128)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(I)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}<|im_start|>assistant\n")
-    source = {}
-
-    def add(name, shape, q8=False, scale=0.1):
-        arr = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if q8:  # stored as Q8_0, as many GGUF tensors are; the importer must dequantize it
-            w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0),
-                         raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, arr)
-        source[name] = arr
-
-    add("token_embd.weight", (V, H), q8=True)
-    for b in range(LAYERS):
-        add(f"blk.{b}.attn_norm.weight", (H,), scale=1.0)
-        add(f"blk.{b}.attn_q.weight", (H, H), q8=True)
-        add(f"blk.{b}.attn_q.bias", (H,))
-        add(f"blk.{b}.attn_k.weight", (KV * D, H))
-        add(f"blk.{b}.attn_k.bias", (KV * D,))
-        add(f"blk.{b}.attn_v.weight", (KV * D, H), q8=True)
-        add(f"blk.{b}.attn_v.bias", (KV * D,))
-        add(f"blk.{b}.attn_output.weight", (H, H))
-        add(f"blk.{b}.ffn_norm.weight", (H,), scale=1.0)
-        add(f"blk.{b}.ffn_gate.weight", (I, H), q8=True)
-        add(f"blk.{b}.ffn_up.weight", (I, H))
-        add(f"blk.{b}.ffn_down.weight", (H, I), q8=True)
-    add("output_norm.weight", (H,), scale=1.0)
-    add("output.weight", (V, H))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return source
-
+from tiny_models import GGUF_KV as KV, tiny_vocab, write_tiny_gguf
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):

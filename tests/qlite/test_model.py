@@ -1,4 +1,5 @@
 """qlite's decoder against transformers' Qwen2ForCausalLM on tiny random checkpoints."""
+import pytest
 import torch
 
 from tiny_models import hf_model, make_checkpoint
@@ -54,6 +55,19 @@ def test_kv_cache_decoding_equals_recomputation(tiny_ckpt):
         pieces = [model(ids[:, :8], cache), model(ids[:, 8:13], cache)]  # prefill, then a chunk
         pieces += [model(ids[:, t:t + 1], cache) for t in range(13, 20)]  # one token at a time
     assert cache.length == 20
+    assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
+
+
+def test_kv_cache_grows_as_tokens_come_up_to_its_limit(tiny_ckpt):
+    model = load_model(tiny_ckpt, dtype="float32")
+    ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 3, limit=20)
+        pieces = [model(ids[:, :5], cache)] + [model(ids[:, t:t + 1], cache) for t in range(5, 20)]
+        assert (cache.capacity, cache.length) == (20, 20)  # 3 -> 5 -> 10 -> 20
+        with pytest.raises(ValueError, match="at most 20 tokens"):
+            model(ids[:, :1], cache)
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
 
 

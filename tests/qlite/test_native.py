@@ -167,3 +167,28 @@ def test_demo_greedy_answer_is_the_reference_paths(which, reference, request):
         return r.stdout
 
     assert answer("1") == answer("0", *[a for kv in reference.items() for a in kv])
+
+
+def test_a_wrong_call_is_an_error_never_an_out_of_bounds_access():
+    N, K = 32, 256
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    q8, s8 = torch.zeros(N, K, dtype=torch.int8), torch.ones(N, 2, dtype=torch.float16)
+    q4, s4, z4 = torch.zeros(N, K // 2, dtype=torch.uint8), torch.ones(N, 2, dtype=torch.float16), torch.zeros(N, 2, dtype=torch.uint8)
+    wrong_calls = {
+        "scales as uint8": lambda: native.gemv_int8(x, q8, s8.to(torch.uint8), None),
+        "qweight as float32": lambda: native.gemv_int8(x, q8.float(), s8, None),
+        "scales with too few rows": lambda: native.gemv_int4(x, q4, s4[:4], z4, None),
+        "zeros of another group count": lambda: native.gemv_int4(x, q4, s4, z4[:, :1], None),
+        "groups that do not divide": lambda: native.gemv_int8(x, q8, torch.ones(N, 3, dtype=torch.float16), None),
+        "x of another width": lambda: native.gemv_int8(x[:, :128], q8, s8, None),
+        "a short bias": lambda: native.gemv_bf16(x, torch.zeros(N, K, dtype=torch.bfloat16), torch.zeros(N - 1), ),
+        "a strided weight": lambda: native.gemv_bf16(x, torch.zeros(K, N, dtype=torch.bfloat16).t(), None),
+        "a norm weight too short": lambda: native.rmsnorm(x, torch.ones(K // 2, dtype=torch.bfloat16), 1e-6),
+        "a position past the cache": lambda: native.decode_attention(
+            torch.zeros(4 * 64, dtype=torch.bfloat16), torch.ones(64), torch.zeros(64),
+            torch.zeros(1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 64, dtype=torch.bfloat16), 2, 8),
+    }
+    for what, call in wrong_calls.items():
+        with pytest.raises(ValueError, match="native kernel"):
+            call()
+            pytest.fail(what)

@@ -49,7 +49,7 @@ def test_config_json_round_trip_and_legacy_lm_head():
 @pytest.mark.parametrize("change, message", [
     ({"format_version": 2}, "format_version 2 is unknown"),
     ({"quant_method": "awq"}, "quantization method 'awq'"),
-    ({"bits": 5}, "--bits 5"),
+    ({"bits": 5}, "c.json: bits 5: qlite quantizes"),
     ({"bits": "x"}, "malformed"),
     ({"lm_head_format": "int9"}, "format 'int9': unknown"),
     ({"modules": ["conv"]}, "modules must be among"),

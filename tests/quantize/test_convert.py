@@ -156,9 +156,9 @@ def run_cli(capsys, *args):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--bits", "3"], "--bits 3"),
-    (["--group-size", "0"], "--group-size 0"),
-    (["--group-size", "100"], "--group-size 100 does not divide"),
+    (["--bits", "3"], "--bits': '3' is not one of"),
+    (["--group-size", "0"], "--group-size': 0 is not >= 1"),
+    (["--group-size", "100"], "--group-size: group size 100 does not divide"),
     (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
 ])
 def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):

@@ -1,0 +1,123 @@
+"""The one way qlite writes an output: into a temporary place beside it, moved into place only when
+complete. An output dir being written is claimed by a lock on its temporary dir (held until the
+process ends, so a killed run's claim lapses by itself): a second run into the same output is
+refused while the first lives, and what a dead run left behind is removed by the next one."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import QliteError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; outputs are still written atomically
+    fcntl = None
+
+
+def check_output(dst: Path, force: bool, inputs=()) -> None:
+    """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
+    with config.json) that holds none of the inputs: never an input itself or a dir above one, never
+    a plain file or a dir that is not a checkpoint."""
+    dst = Path(dst)
+    for path in inputs:
+        path = Path(path).resolve()
+        if dst.resolve() == path or dst.resolve() in path.parents:
+            raise QliteError(f"{dst}: holds the input {path}; choose another output")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not force:
+        raise QliteError(f"{dst}: already exists (use --force to replace it)")
+    if dst.is_symlink() or not dst.is_dir() or not (dst / "config.json").is_file():
+        raise QliteError(f"{dst}: --force replaces only a checkpoint dir (one with config.json), and this is not one")
+
+
+def _lock(path: Path) -> int | None:
+    """An exclusive lock on the dir `path` (its fd, kept open while held), or None if another
+    process holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    if fcntl is None:
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def _leftovers(dst: Path) -> list[Path]:
+    """Temporary dirs of runs writing dst: .NAME.tmp-* (being written), .NAME.old-* (being replaced)."""
+    return sorted(p for pattern in (f".{dst.name}.tmp-*", f".{dst.name}.old-*") for p in dst.parent.glob(pattern)
+                  if p.is_dir() and not p.is_symlink())
+
+
+def _claim_leftovers(dst: Path) -> None:
+    """Refuse if a live run is writing dst; remove what dead runs left (their locks lapsed)."""
+    for path in _leftovers(dst):
+        fd = _lock(path)
+        if fd is None:
+            raise QliteError(f"{dst}: another qlite run is writing it (into {path.name}); wait for it to end")
+        try:
+            shutil.rmtree(path)
+            print(f"qlite: removed {path}, left by an interrupted run", file=sys.stderr)
+        except OSError as e:
+            raise QliteError(f"{path}: left by an interrupted run and cannot be removed ({e.strerror})") from None
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
+    """Yield a temporary dir beside dst, claimed by this process; on success it replaces dst, on any
+    failure it is removed. dst is checked first (check_output) and again before the move, so a dir
+    that appeared meanwhile is never replaced without --force."""
+    dst = Path(dst)
+    check_output(dst, force, inputs)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _claim_leftovers(dst)
+    # made under a name no other run looks at, locked, then renamed: a .tmp- dir is locked while its run lives
+    new = Path(tempfile.mkdtemp(prefix=f".{dst.name}.new-", dir=dst.parent))
+    fd = _lock(new)
+    tmp = new.with_name(new.name.replace(".new-", ".tmp-", 1))
+    os.rename(new, tmp)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary dir
+    try:
+        yield tmp
+        check_output(dst, force, inputs)
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write text to path through a temporary file beside it: the file is whole or untouched."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
