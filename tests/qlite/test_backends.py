@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qlite import native
-from qlite.backends import NativeOps, use_backend
+from qlite.backends import BACKENDS, NativeOps, use_backend
 from qlite.errors import QliteError
 from qlite.generate import SamplingParams, generate_tokens
 from qlite.loader import load_model
