@@ -102,12 +102,19 @@ def markdown_table(rows: list[Row], baseline: str, ctx: int) -> str:
     return "\n".join(lines)
 
 
-def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | None, md_path: Path | None) -> str:
-    table = markdown_table(rows, baseline, ctx)
+def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | None, md_path: Path | None,
+                  code_rows=None) -> str:
+    """The Markdown tables (fidelity, then code tasks when run), also written as JSON / Markdown."""
+    from .code_eval import code_table
+
+    tables = ([markdown_table(rows, baseline, ctx)] if rows else []) + ([code_table(code_rows)] if code_rows else [])
+    text = "\n\n".join(tables)
     if json_path:
-        write_file_atomic(json_path, json.dumps({"baseline": baseline, "ctx": ctx, "scoring": SCORING,
-                                         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                         "rows": [asdict(r) for r in rows]}, indent=2))
+        report = {"baseline": baseline, "ctx": ctx, "scoring": SCORING, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "rows": [asdict(r) for r in rows]}
+        if code_rows:
+            report["code_tasks"] = [r.summary() for r in code_rows]
+        write_file_atomic(json_path, json.dumps(report, indent=2))
     if md_path:
-        write_file_atomic(md_path, table + "\n")
-    return table
+        write_file_atomic(md_path, text + "\n")
+    return text

@@ -213,20 +213,35 @@ def check_writable(path: Path | None, flag: str) -> None:
 @click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--baseline", required=True, type=click.Path(path_type=Path), help="the 16-bit checkpoint dir")
 @click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
-              help="code, prose (built in, offline) or a text file; repeatable")
+              help="code, prose (built in, offline) or a text file; repeatable; none: no perplexity/KLD")
 @click.option("--ctx", type=at_least(2), default=512, show_default=True, help="tokens per chunk")
 @click.option("--max-chunks", type=at_least(1), help="at most this many chunks per data source")
+@click.option("--tasks", help="also run code tasks: builtin (69 Python tasks) or a JSON Lines file")
+@click.option("--max-tasks", type=at_least(1), help="the first N tasks only")
+@click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True, help="per code-task answer")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
-def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, dtype, json_path, md_path):
-    """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline."""
+def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, json_path, md_path):
+    """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
+    --tasks whether their greedy answers to code tasks still pass hidden tests."""
     from eval.run import evaluate, write_reports
 
     check_writable(json_path, "--json")
     check_writable(md_path, "--markdown")
-    rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype)
-    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path))
+    data = () if tuple(data) == ("none",) else data
+    if not data and not tasks:
+        raise QliteError("--data none: nothing to evaluate without --tasks")
+    code_tasks = None
+    if tasks:
+        from eval.code_tasks import load_tasks
+        code_tasks = load_tasks(tasks)[:max_tasks]
+    rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype) if data else []
+    code_rows = None
+    if code_tasks:
+        from eval.code_eval import evaluate_code
+        code_rows = evaluate_code(model_dirs, baseline, code_tasks, dtype=dtype, max_new_tokens=max_new_tokens)
+    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path, code_rows))
 
 
 @cli.command("import-gguf")

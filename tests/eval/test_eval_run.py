@@ -45,3 +45,19 @@ def test_mismatched_tokenizer_is_refused(capsys, base_and_quant, tmp_path):
     other = make_checkpoint(tmp_path / "other", seed=1, vocab_size=600)
     code = main(["eval", str(other), "--baseline", str(base), "--data", str(text), "--ctx", "32"])
     assert code != 0 and "tokenizer differs from the baseline's" in capsys.readouterr().err
+
+
+def test_cli_runs_code_tasks_beside_or_without_the_fidelity_table(capsys, tmp_path):
+    base = make_checkpoint(tmp_path / "base", seed=9, intermediate_size=192, max_position_embeddings=1024)  # a chat prompt fits
+    quant = convert(base, tmp_path / "int4", bits=4, group_size=32, progress=False).out_dir
+    code = main(["eval", str(quant), "--baseline", str(base), "--data", "none", "--tasks", "builtin",
+                 "--max-tasks", "3", "--max-new-tokens", "8", "--dtype", "float32", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| base | 3 | 0 | 0.0% ± 0.0 | (baseline) |" in out and "| int4 | 3 | 0 |" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["rows"] == [] and [r["model"] for r in report["code_tasks"]] == ["base", "int4"]
+    results = report["code_tasks"][1]["results"]
+    assert [r["name"] for r in results] == ["reverse_words", "is_palindrome_phrase", "run_length_encode"]
+    assert all(not r["passed"] and 1 <= r["tokens"] <= 8 for r in results)  # a random model writes no code
+    assert main(["eval", str(quant), "--baseline", str(base), "--data", "none"]) != 0
+    assert "--data none: nothing to evaluate" in capsys.readouterr().err
