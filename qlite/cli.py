@@ -257,6 +257,41 @@ def import_gguf_cmd(gguf_file, out_dir, dtype, force):
     click.echo(f"wrote {out_dir}")
 
 
+@cli.command("export")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--to", "target", required=True, type=click.Choice(["compressed-tensors", "gptq", "gguf"]),
+              help="compressed-tensors pack-quantized or GPTQ (transformers, vLLM), or a GGUF file (llama.cpp)")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="output dir (a .gguf file for gguf)")
+@click.option("--gptq-format", type=click.Choice(["auto", "v1", "v2"]), default="auto", show_default=True,
+              help="GPTQ checkpoint_format: v1 stores zero - 1, so a zero point of 0 needs v2; auto: v1 where it can")
+@click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (or GGUF file) that holds no input")
+def export_cmd(model_dir, target, out, gptq_format, force):
+    """Write a qlite checkpoint for another engine, exactly where the formats agree (README: Checkpoints
+    that travel); what had to change is printed."""
+    from quantize.interchange import export_checkpoint
+
+    for note in export_checkpoint(model_dir, target, out, force=force, gptq_format=gptq_format):
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"wrote {out}")
+
+
+@cli.command("import")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="output checkpoint dir")
+@click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
+def import_cmd(src, out, force):
+    """Convert a GPTQ or compressed-tensors checkpoint dir (or a GGUF file) into a qlite checkpoint:
+    quantized weights exactly as they are (GGUF: dequantized to float16, as import-gguf)."""
+    if src.suffix == ".gguf" and not src.is_dir():
+        from .gguf import import_gguf
+        import_gguf(src, out, force=force)
+    else:
+        from quantize.interchange import import_checkpoint
+        qcfg = import_checkpoint(src, out, force=force)
+        click.echo(qcfg.describe(), err=True)
+    click.echo(f"wrote {out}")
+
+
 @cli.command("fetch-demo")
 @click.argument("out_dir", required=False, type=click.Path(path_type=Path))
 def fetch_demo_cmd(out_dir):

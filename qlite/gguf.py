@@ -47,6 +47,21 @@ def hf_name(gguf_name: str) -> str:
     raise QliteError(f"GGUF tensor {gguf_name!r} has no qwen2 counterpart")
 
 
+def gguf_name(name: str) -> str:
+    """hf_name's inverse: a Qwen2 checkpoint tensor's GGUF name."""
+    for pattern, template in GGUF_TO_HF:
+        parts = template.split("{}")
+        groups = [r"(\d+)", r"(weight|bias)"]
+        hf_pattern = "".join(re.escape(p) + (groups[i] if i < len(parts) - 1 else "") for i, p in enumerate(parts))
+        m = re.fullmatch(hf_pattern, name)
+        if m:
+            out = pattern
+            for g in m.groups():
+                out = re.sub(r"\([^)]*\)", g, out, count=1)
+            return out.replace("\\.", ".")
+    raise QliteError(f"tensor {name!r} has no GGUF counterpart")
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()

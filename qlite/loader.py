@@ -11,7 +11,7 @@ from .backends import backend_named, use_backend
 from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
 from .errors import QliteError
 from .memory import large_allocations_from_mmap, release_freed_memory
-from .model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
+from .model import SHARED_BY_PARTS, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
 
 
@@ -74,6 +74,12 @@ def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], 
         t = convert(key, ckpt.read(name))
         parts = layout[key]
         if len(parts) == 1:
+            state[key] = t
+            continue
+        if key.rpartition(".")[2] in SHARED_BY_PARTS:  # every part holds it whole: they must agree
+            if key in state and not torch.equal(state[key], t):
+                raise QliteError(f"{ckpt.tensors[name].file}: tensor {name} differs from {parts[0][0]}; the "
+                                 f"projections qlite fuses need one {key.rpartition('.')[2]}")
             state[key] = t
             continue
         if key not in state:

@@ -50,7 +50,7 @@ def make_linear(cfg: Qwen2Config, prefix: str, in_features: int, parts: dict[str
         if fmt is None:
             return Linear(in_features, out_features, bias=bias)
         fmt.check(in_features, where)
-        return QuantLinear(in_features, out_features, bias, fmt)
+        return QuantLinear(in_features, out_features, bias, fmt, cfg.quantization.input_order)
 
     if len(set(fmts.values())) > 1:
         return SplitLinear({part: one(fmts[part], n, prefix + part) for part, n in parts.items()})
@@ -304,9 +304,13 @@ def linear_parts(name: str, linear: nn.Module) -> list[tuple[str, int]]:
     return [(f"{parent}.{part}".lstrip("."), rows) for part, rows in parts]
 
 
+SHARED_BY_PARTS = ("input_order",)  # buffers of a fused linear that every part holds whole (equal), not by rows
+
+
 def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """For every tensor of the model's state dict, the checkpoint tensors (name, shape) whose rows,
-    concatenated in order, make it. A tensor shared with another (tied lm_head) is listed once."""
+    concatenated in order, make it (SHARED_BY_PARTS: each part holds it whole). A tensor shared with
+    another (tied lm_head) is listed once."""
     modules = dict(model.named_modules())
     layout, seen = {}, set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -317,7 +321,7 @@ def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, 
         if getattr(modules[module], "fused_parts", None) is None:
             layout[key] = [(f"{checkpoint_module(module)}.{tensor}".lstrip("."), tuple(t.shape))]
         else:
-            layout[key] = [(f"{part}.{tensor}", (rows, *t.shape[1:]))
+            layout[key] = [(f"{part}.{tensor}", tuple(t.shape) if tensor in SHARED_BY_PARTS else (rows, *t.shape[1:]))
                            for part, rows in linear_parts(module, modules[module])]
     return layout
 

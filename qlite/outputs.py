@@ -103,18 +103,44 @@ def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
         os.close(fd)
 
 
-def write_file_atomic(path: Path, text: str) -> None:
-    """Write text to path through a temporary file beside it: the file is whole or untouched."""
+@contextlib.contextmanager
+def atomic_output_file(path: Path):
+    """Yield a temporary file path beside `path`; on success it replaces `path`, on failure it is
+    removed: the file is whole or untouched."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else ".")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write text to path through a temporary file beside it: the file is whole or untouched."""
+    with atomic_output_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def check_output_file(dst: Path, force: bool, magic: bytes, inputs=()) -> None:
+    """An output file may be written where nothing is, or, with --force, over a regular file that
+    starts with `magic` (a file of the kind being written) and is none of the inputs."""
+    dst = Path(dst)
+    for path in inputs:
+        path = Path(path).resolve()
+        if dst.resolve() == path or path in dst.resolve().parents:
+            raise QliteError(f"{dst}: is the input or inside it; choose another output")
+    if not dst.parent.is_dir():
+        raise QliteError(f"{dst}: its directory {dst.parent} does not exist")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not force:
+        raise QliteError(f"{dst}: already exists (use --force to replace it)")
+    if dst.is_symlink() or not dst.is_file() or dst.open("rb").read(len(magic)) != magic:
+        raise QliteError(f"{dst}: --force replaces only a file of the kind written ({magic!r}), and this is not one")
 
 
 def _umask() -> int:

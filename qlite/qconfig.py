@@ -7,6 +7,10 @@ The per-module rules, all of them:
   int8 per output row, 4 is int4 with --group-size (128 if not given) and --symmetric, 16 keeps it;
 - a module whose dotted name contains a `skip` substring stays 16-bit;
 - everything else (embeddings, norms, biases) stays 16-bit.
+With `input_order` (imported act-order GPTQ / compressed-tensors checkpoints), every quantized linear
+also stores `input_order` int32 [K]: its codes are stored in that column order, groups contiguous in
+it, and the layer reads x[..., input_order]. Such checkpoints are format_version 2, so a qlite that
+predates the field refuses them instead of running them wrong.
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ from .errors import QliteError
 from .formats import Format, Int4, Int8, format_for_fields, format_named
 
 FORMAT_VERSION = 1
+FORMAT_VERSION_INPUT_ORDER = 2  # written only when input_order is set
 QUANT_METHOD = "qlite"
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("rtn", "gptq", "bnb")
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
-               "lm_head_bits", "lm_head_format", "skip"}
+               "lm_head_bits", "lm_head_format", "skip", "input_order"}
 
 
 def lm_head_format(lm_head_bits: int, group_size: int | None, symmetric: bool) -> Format | None:
@@ -44,6 +49,7 @@ class QuantConfig:
     modules: tuple[str, ...] = LINEAR_KINDS
     skip: tuple[str, ...] = ()
     params: dict = field(default_factory=dict)  # the method's settings, recorded (GPTQ: act_order, damp, ...)
+    input_order: bool = False  # quantized linears store a column order (see the module docstring)
 
     @classmethod
     def from_options(cls, bits: int = 4, group_size: int | None = 128, symmetric: bool = False, scheme: str = "int",
@@ -63,10 +69,14 @@ class QuantConfig:
         """Parse config.json's quantization_config; refuse what this version cannot read."""
         if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
             method = q.get("quant_method") if isinstance(q, dict) else q
-            raise QliteError(f"{source}: quantization method {method!r} is not one qlite reads")
-        if q.get("format_version") != FORMAT_VERSION:
-            raise QliteError(f"{source}: quantization format_version {q.get('format_version')!r} is unknown to this "
-                             f"qlite (it reads version {FORMAT_VERSION}); upgrade qlite or re-quantize")
+            hint = "; convert it once with `qlite import DIR --out DST`" if method in ("gptq", "compressed-tensors") else ""
+            raise QliteError(f"{source}: quantization method {method!r} is not one qlite reads{hint}")
+        version = q.get("format_version")
+        if version not in (FORMAT_VERSION, FORMAT_VERSION_INPUT_ORDER):
+            raise QliteError(f"{source}: quantization format_version {version!r} is unknown to this qlite (it reads "
+                             f"versions {FORMAT_VERSION} and {FORMAT_VERSION_INPUT_ORDER}); upgrade qlite or re-quantize")
+        if bool(q.get("input_order", False)) != (version == FORMAT_VERSION_INPUT_ORDER):
+            raise QliteError(f"{source}: input_order goes with format_version {FORMAT_VERSION_INPUT_ORDER} only")
         try:
             linear = format_for_fields(q.get("scheme", "int"), int(q["bits"]), q.get("group_size"),
                                        bool(q.get("symmetric", False)))
@@ -83,13 +93,15 @@ class QuantConfig:
         if not set(modules) <= set(LINEAR_KINDS) or not all(isinstance(s, str) for s in skip):
             raise QliteError(f"{source}: quantization_config modules must be among {', '.join(LINEAR_KINDS)}")
         return cls(linear, head, str(q.get("method", "rtn")), modules, skip,
-                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS})
+                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, bool(q.get("input_order", False)))
 
     def to_dict(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "method": self.method,
+        version = FORMAT_VERSION_INPUT_ORDER if self.input_order else FORMAT_VERSION
+        return {"quant_method": QUANT_METHOD, "format_version": version, "method": self.method,
                 **self.linear.fields(), "modules": list(self.modules),
                 "lm_head_bits": self.lm_head.bits if self.lm_head else 16,
-                "lm_head_format": self.lm_head.name if self.lm_head else None, "skip": list(self.skip), **self.params}
+                "lm_head_format": self.lm_head.name if self.lm_head else None, "skip": list(self.skip),
+                **({"input_order": True} if self.input_order else {}), **self.params}
 
     def format_for(self, module_name: str) -> Format | None:
         """The format of a linear module (by its checkpoint name), or None if it stays 16-bit."""
@@ -110,4 +122,6 @@ class QuantConfig:
         text = f"{self.method} {self.linear.name}, lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
         if self.skip:
             text += f", skipped: {', '.join(self.skip)}"
+        if self.input_order:
+            text += ", act-order (input_order)"
         return text

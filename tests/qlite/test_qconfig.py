@@ -47,7 +47,9 @@ def test_config_json_round_trip_and_legacy_lm_head():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"format_version": 2}, "format_version 2 is unknown"),
+    ({"format_version": 3}, "format_version 3 is unknown"),
+    ({"format_version": 2}, "input_order goes with format_version 2 only"),
+    ({"input_order": True}, "input_order goes with format_version 2 only"),
     ({"quant_method": "awq"}, "quantization method 'awq'"),
     ({"bits": 5}, "c.json: bits 5: qlite quantizes"),
     ({"bits": "x"}, "malformed"),
@@ -55,5 +57,6 @@ def test_config_json_round_trip_and_legacy_lm_head():
     ({"modules": ["conv"]}, "modules must be among"),
 ])
 def test_bad_quantization_configs_are_refused(change, message):
+    """(An older qlite refuses format_version 2, so it never runs an input_order checkpoint wrong.)"""
     with pytest.raises(QliteError, match=message):
         QuantConfig.from_dict({**LEGACY_INT4, **change}, "c.json")

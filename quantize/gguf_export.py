@@ -1,0 +1,128 @@
+"""A qlite checkpoint as a GGUF file for llama.cpp, written with ggml's own `gguf` writer and streamed
+tensor by tensor: quantized linears as Q8_0 / Q4_0 / Q4_1 blocks (foreign.to_gguf_blocks: int8 and
+symmetric int4 exactly; asymmetric int4 up to float16 rounding of each block's minimum), 16-bit
+matrices as F16 (BF16 kept where float16 would round it), norms and biases as F32, as llama.cpp's
+own converter writes them; the tokenizer, its special tokens and the chat template in the metadata."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qlite.checkpoint import CheckpointDir
+from qlite.errors import QliteError
+from qlite.formats import Int4, Int8
+from qlite.gguf import gguf_name
+from qlite.outputs import atomic_output_file, check_output_file
+
+from . import foreign
+
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, None: 1}  # llama.cpp's LlamaFileType: MOSTLY_*, F16
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def tokenizer_metadata(src: CheckpointDir, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Every token id's text and GGUF token type, as llama.cpp's converter makes them: added special
+    tokens are control tokens, other added tokens user-defined, ids the tokenizer lacks [PADn]."""
+    from tokenizers import Tokenizer
+
+    path = src.path / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type on a bad file
+        raise QliteError(f"{path}: unreadable tokenizer ({e})") from None
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    if by_id and max(by_id) >= vocab_size:
+        raise QliteError(f"{path}: token id {max(by_id)} is past the config's vocab_size {vocab_size}")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+        else:
+            tokens.append(by_id[i])
+            types.append(TOKEN_NORMAL if i not in added else TOKEN_CONTROL if added[i].special else TOKEN_USER_DEFINED)
+    return tokens, types
+
+
+def dense_array(t: torch.Tensor) -> np.ndarray:
+    """Norms and biases as float32; matrices as stored (float16, float32, or bfloat16 as raw bytes)."""
+    if t.ndim == 1:
+        return t.float().numpy()
+    return t.contiguous().view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> list[str]:
+    from gguf import GGMLQuantizationType, GGUFWriter, SpecialVocab
+
+    check_output_file(out, force, b"GGUF", inputs=(src.path,))
+    cfg, qcfg = src.config, src.config.quantization
+    if qcfg is not None and qcfg.input_order:
+        raise QliteError(f"{src.path}: an act-order checkpoint (input_order); GGUF has no column order: "
+                         f"export --to gptq")
+    quantized = {n.removesuffix(".qweight") for n in src.tensors if n.endswith(".qweight")}
+    plan = []  # (GGUF name, (shape, numpy dtype, bytes, GGML type or None), producer of the array)
+    kinds = set()
+    for name, info in src.tensors.items():
+        module, _, suffix = name.rpartition(".")
+        if module in quantized and suffix not in ("qweight", "bias"):
+            continue
+        if module in quantized and suffix == "qweight":
+            fmt = qcfg.format_for(module)
+            if not isinstance(fmt, (Int4, Int8)):
+                raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
+            n = info.shape[0]
+            k = src.tensors[f"{module}.scales"].shape[1] * fmt.group_size if isinstance(fmt, Int4) else info.shape[1]
+            kind = foreign.gguf_type(fmt, src.read(f"{module}.zeros") if isinstance(fmt, Int4) else None)
+            if module != "lm_head":
+                kinds.add(kind)  # the file type names the decoder's
+            row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]
+
+            def blocks(m=module, f=fmt, k=k):
+                stored = {s: src.read(f"{m}.{s}") for s in f.stored_shapes(1, 1)}
+                return foreign.to_gguf_blocks(f, stored, k, m)[1].numpy()
+            plan.append((gguf_name(f"{module}.weight"), ((n, row_bytes), np.uint8, n * row_bytes,
+                                                         getattr(GGMLQuantizationType, kind)), blocks))
+        elif len(info.shape) == 1:
+            plan.append((gguf_name(name), (info.shape, np.float32, 4 * info.shape[0], None),
+                         lambda n=name: dense_array(src.read(n))))
+        else:
+            raw = GGMLQuantizationType.BF16 if info.dtype == "BF16" else None
+            shape = (info.shape[0], info.shape[1] * 2) if raw else info.shape
+            dtype = {"F16": np.float16, "F32": np.float32, "BF16": np.uint8}[info.dtype]
+            plan.append((gguf_name(name), (shape, dtype, info.nbytes, raw), lambda n=name: dense_array(src.read(n))))
+    main_kind = "Q4_1" if "Q4_1" in kinds else next(iter(kinds), None)
+    notes = ["asymmetric int4 written as Q4_1: each block's minimum (-zero * scale) is rounded to float16"
+             ] if "Q4_1" in kinds else []
+    tokens, types = tokenizer_metadata(src, cfg.vocab_size)
+
+    with atomic_output_file(out) as tmp:
+        writer = GGUFWriter(tmp, "qwen2")
+        writer.add_name(src.path.name)
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_block_count(cfg.num_hidden_layers)
+        writer.add_head_count(cfg.num_attention_heads)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_rope_freq_base(cfg.rope_theta)
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        writer.add_file_type(FILE_TYPES[main_kind])
+        writer.add_quantization_version(2)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        SpecialVocab(src.path, load_merges=True, n_vocab=cfg.vocab_size).add_to_gguf(writer, quiet=True)
+        for gname, (shape, dtype, nbytes, raw), _ in plan:
+            writer.add_tensor_info(gname, shape, np.dtype(dtype), nbytes, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        from tqdm import tqdm
+        for _, _, produce in tqdm(plan, desc="export", unit="tensor", disable=not progress, leave=False):
+            writer.write_tensor_data(produce())
+        writer.close()
+    return notes

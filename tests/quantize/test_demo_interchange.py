@@ -1,0 +1,76 @@
+"""The demo int4 checkpoint through every export: bit-identical round trips, GGUF blocks as ggml reads
+them, and transformers (GPTQModel) greedy tokens equal to qlite's reference teacher-forced."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eval.interchange import PROMPT, compare, transformers_run
+from qlite.checkpoint import CheckpointDir
+from qlite.tokenizer import Tokenizer
+from quantize.interchange import export_checkpoint, import_checkpoint
+
+pytestmark = pytest.mark.demo
+
+
+def test_demo_round_trips(demo_int4, tmp_path):
+    ours = CheckpointDir(demo_int4)
+    zero_groups = sum(int((ours.read(n) == 0).sum()) for n in ours.tensors if n.endswith(".zeros"))
+    assert zero_groups > 0  # the case GPTQ v1 cannot hold: auto writes v2
+    for to in ("gptq", "compressed-tensors"):
+        notes = export_checkpoint(demo_int4, to, tmp_path / to, progress=False)
+        if to == "gptq":
+            assert any("gptq_v2" in n for n in notes)
+            assert json.loads((tmp_path / to / "config.json").read_text())["quantization_config"][
+                "checkpoint_format"] == "gptq_v2"
+        import_checkpoint(tmp_path / to, tmp_path / f"{to}-back", progress=False)
+        back = CheckpointDir(tmp_path / f"{to}-back")
+        for name in ours.tensors:
+            if to == "gptq" and name.startswith("lm_head."):
+                continue  # written float16 for transformers' GPTQ loader
+            assert torch.equal(ours.read(name), back.read(name)), (to, name)
+
+
+def test_demo_gguf_blocks(demo_int4, tmp_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from qlite.loader import load_model
+
+    export_checkpoint(demo_int4, "gguf", tmp_path / "m.gguf", progress=False)
+    reader = GGUFReader(tmp_path / "m.gguf")
+    model = load_model(demo_int4, dtype="float32", kernel="reference")
+    modules = dict(model.named_modules())
+    by_name = {t.name: t for t in reader.tensors}
+    for gguf_name, module, tol in [("output.weight", "lm_head", 0.0), ("blk.5.ffn_down.weight",
+                                                                        "model.layers.5.mlp.down_proj", 2e-3)]:
+        t = by_name[gguf_name]
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+        ours = modules[module].dequantize().numpy()
+        assert np.abs(w - ours).max() <= tol * np.abs(ours).max(), gguf_name
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 151936
+
+
+def test_demo_gptq_greedy_in_transformers(demo_int4, tmp_path):
+    pytest.importorskip("gptqmodel")
+    export_checkpoint(demo_int4, "gptq", tmp_path / "gptq", progress=False)
+    import_checkpoint(tmp_path / "gptq", tmp_path / "back", progress=False)  # lm_head as transformers has it
+    prompt = Tokenizer(demo_int4).encode(PROMPT)
+    new, logits = transformers_run(tmp_path / "gptq", prompt, 16)
+    row = compare(tmp_path / "back", prompt, new, logits)
+    assert row["same_tokens"], row
+    assert row["max_abs_logit_diff"] < 0.5, row
+
+
+def test_demo_gguf_greedy_in_llama_cpp(demo_int4, tmp_path):
+    """With the bench extra (llama-cpp-python): llama.cpp's greedy tokens on the exported GGUF are
+    qlite's (llama.cpp quantizes activations to 8 bits for its dot products, so they could differ
+    where two logits are close; on this prompt they do not)."""
+    pytest.importorskip("llama_cpp")
+    from eval.interchange import llama_cpp_run
+
+    export_checkpoint(demo_int4, "gguf", tmp_path / "m.gguf", progress=False)
+    prompt = Tokenizer(demo_int4).encode(PROMPT)
+    new, _ = llama_cpp_run(tmp_path / "m.gguf", prompt, 16)
+    row = compare(demo_int4, prompt, new, None)
+    assert row["same_tokens"], row
