@@ -45,7 +45,7 @@ class CheckpointDir:
     """config.json, tensor headers (names, dtypes, shapes) and single tensors of a checkpoint dir."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         if not self.path.is_dir():
             raise QliteError(f"{self.path}: not a directory")
 

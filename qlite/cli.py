@@ -33,8 +33,8 @@ class Number(click.ParamType):
     """A finite int or float within bounds, checked when the flags are parsed (NaN is refused:
     click's FloatRange lets it through)."""
 
-    def __init__(self, kind: type, low=None, high=None, low_open: bool = False, rule: str = ""):
-        self.kind, self.low, self.high, self.low_open, self.rule = kind, low, high, low_open, rule
+    def __init__(self, kind: type, low=None, high=None, low_open: bool = False, rule: str = "", high_open: bool = False):
+        self.kind, self.low, self.high, self.low_open, self.high_open, self.rule = kind, low, high, low_open, high_open, rule
         self.name = kind.__name__
 
     def convert(self, value, param, ctx):
@@ -43,7 +43,8 @@ class Number(click.ParamType):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         below = self.low is not None and (v <= self.low if self.low_open else v < self.low)
-        if not math.isfinite(v) or below or (self.high is not None and v > self.high):
+        above = self.high is not None and (v >= self.high if self.high_open else v > self.high)
+        if not math.isfinite(v) or below or above:
             self.fail(f"{value} is not {self.rule}", param, ctx)
         return v
 
@@ -70,6 +71,25 @@ def cli():
     """Quantized, low-memory inference for Qwen2-family models."""
 
 
+def sampling_options(command):
+    """The sampling flags generate and chat share (checked when parsed)."""
+    options = [
+        click.option("--temperature", type=Number(float, low=0, rule=">= 0"),
+                     help="0 is greedy (the default unless generation_config.json samples)"),
+        click.option("--top-k", type=at_least(0), help="keep the k most likely tokens (0: off)"),
+        click.option("--top-p", type=Number(float, 0, 1, low_open=True, rule="in (0, 1]"),
+                     help="nucleus sampling mass (1: off)"),
+        click.option("--min-p", type=Number(float, 0, 1, rule="in [0, 1)", high_open=True),
+                     help="drop tokens less likely than this share of the most likely one (0: off)"),
+        click.option("--repetition-penalty", type=Number(float, 0, low_open=True, rule="> 0"),
+                     help="> 1 discourages repeats (1: off)"),
+        click.option("--seed", type=int, help="random seed for sampling"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def read_prompt(prompt: str | None) -> str:
     if prompt is not None:
         try:
@@ -94,20 +114,17 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--prompt", "-p", help="prompt text (default: read stdin)")
 @click.option("--system", help="system message (chat mode)")
 @click.option("--raw", is_flag=True, help="send the prompt as is, without the chat template")
-@click.option("--temperature", type=Number(float, low=0, rule=">= 0"), help="0 is greedy (the default unless generation_config.json samples)")
-@click.option("--top-k", type=at_least(0), help="keep the k most likely tokens (0: off)")
-@click.option("--top-p", type=Number(float, 0, 1, low_open=True, rule="in (0, 1]"), help="nucleus sampling mass (1: off)")
-@click.option("--repetition-penalty", type=Number(float, 0, low_open=True, rule="> 0"), help="> 1 discourages repeats (1: off)")
-@click.option("--seed", type=int, help="random seed for sampling")
+@sampling_options
 @click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto")
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True,
               help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
+@click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
-def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetition_penalty, seed,
-             max_new_tokens, stop, dtype, device, kernel, stats):
+def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+             max_new_tokens, stop, dtype, device, kernel, threads, stats):
     """Generate text from a prompt, streamed to stdout."""
     from .pipeline import load
 
@@ -115,10 +132,11 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetiti
         raise QliteError("--stop: an empty stop string would stop before the first token")
     text = read_prompt(prompt)
     t0 = time.perf_counter()
-    lm = load(model_dir, dtype=dtype, device=device, kernel=kernel)
+    lm = load(model_dir, dtype=dtype, device=device, kernel=kernel, threads=threads)
     load_s = time.perf_counter() - t0
     ids = lm.prompt_ids(text, chat=False if raw else None, system=system)
-    params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+    params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
     from .generate import stream_text
     generated = []
@@ -130,6 +148,59 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, repetiti
         dt = time.perf_counter() - t1
         click.echo(f"load {load_s:.1f} s, prompt {len(ids)} tokens, {len(generated)} tokens generated in "
                    f"{dt:.1f} s ({len(generated) / dt:.1f} tokens/s, prefill included)", err=True)
+
+
+@cli.command()
+@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path), help="checkpoint dir")
+@click.option("--system", help="system message")
+@sampling_options
+@click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True, help="per reply")
+@click.option("--ctx", type=at_least(2), help="context for history and reply (default: the model's)")
+@click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
+@click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True)
+@click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
+def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, ctx, dtype,
+         kernel, threads):
+    """Chat in the terminal: replies stream as they are generated, the history stays in the context
+    (oldest turns dropped, with a notice, when it fills); /reset clears it, /exit leaves."""
+    from .chat import Conversation, run_chat
+    from .pipeline import load
+
+    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads)
+    context = min(ctx or lm.model.config.max_position_embeddings, lm.model.config.max_position_embeddings)
+    params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens)
+    interactive = sys.stdin.isatty()
+
+    def out(text):
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    run_chat(Conversation(lm, params, context, system), sys.stdin, out, lambda m: click.echo(m, nl=False, err=True),
+             interactive)
+
+
+@cli.command()
+@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path), help="checkpoint dir")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (localhost by default)")
+@click.option("--port", type=Number(int, 0, 65535, rule="a port number"), default=8000, show_default=True)
+@click.option("--max-batch", type=at_least(1), default=8, show_default=True,
+              help="sequences decoded together; more wait in the queue")
+@click.option("--max-queue", type=at_least(0), default=64, show_default=True,
+              help="requests waiting beyond the batch; past it the server answers 503")
+@click.option("--ctx", type=at_least(2), default=4096, show_default=True,
+              help="tokens per sequence (prompt and reply); the KV cache holds max-batch x ctx")
+@click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
+@click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
+@click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True)
+def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel):
+    """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
+    concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
+    from .server import serve as run
+
+    run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
+        dtype=dtype, kernel=kernel, log=lambda m: click.echo(m, err=True))
+    raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
 
 
 @cli.command()

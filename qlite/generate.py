@@ -1,6 +1,6 @@
 """Decoding: logits processing (repetition penalty, temperature, top-k, top-p), the decode loop over a
 preallocated KV cache (left-padded batches allowed), and text streaming with stop strings.
-The processing order follows HF transformers: penalty, temperature, top-k, top-p."""
+The processing order follows HF transformers: penalty, temperature, top-k, top-p, min-p."""
 from __future__ import annotations
 
 import math
@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy, as in llama.cpp
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0
     max_new_tokens: int = 512
     seed: int | None = None
@@ -30,6 +31,7 @@ class SamplingParams:
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"),
             (self.top_k >= 0, "top_k", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p", "must be in [0, 1)"),
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
              "must be > 0"),
             (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
@@ -68,6 +70,14 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep tokens at least p times as likely as the most likely one (Nguyen et al. 2024, min-p)."""
+    if p <= 0:
+        return logits
+    floor = logits.max(-1, keepdim=True).values + math.log(p)  # p * max prob, in logit space
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
                generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) float32 -> token ids (B,)."""
@@ -76,6 +86,7 @@ def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor 
     if params.greedy:
         return logits.argmax(-1)
     logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
+    logits = filter_min_p(logits, params.min_p)
     probs = logits.softmax(-1)
     if not bool(torch.isfinite(probs).all()):
         raise QliteError(NON_FINITE)
@@ -134,36 +145,60 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
         next_pos = next_pos + 1
 
 
+class StopText:
+    """Text of tokens pushed one at a time, ending before the first stop string: text that could be
+    the start of a stop string is held back until it is known not to be."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        from .tokenizer import StreamDecoder
+
+        self.decoder, self.stop = StreamDecoder(tokenizer), stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def _cut(self) -> int:
+        return min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+
+    def push(self, token: int) -> str:
+        """The text that is now certain; after a stop string, `stopped` is set and nothing follows."""
+        self.pending += self.decoder.push(token)
+        cut = self._cut()
+        if cut >= 0:
+            self.stopped = True
+            text, self.pending = self.pending[:cut], ""
+            return text
+        if len(self.pending) > self.hold:
+            text = self.pending[:len(self.pending) - self.hold]
+            self.pending = self.pending[len(self.pending) - self.hold:]
+            return text
+        return ""
+
+    def flush(self) -> str:
+        """What is held back, at the end of generation (cut at a stop string)."""
+        if self.stopped:
+            return ""
+        self.pending += self.decoder.flush()
+        cut = self._cut()
+        text, self.pending = (self.pending if cut < 0 else self.pending[:cut]), ""
+        return text
+
+
 def detokenize(tokens: Iterable[int], tokenizer, eos_ids, stop: tuple[str, ...] = ()) -> Iterator[str]:
-    """Text pieces for a stream of token ids, ending before the first eos or stop string. Text that
-    could be the start of a stop string is held back until it is known not to be."""
-    from .tokenizer import StreamDecoder
-
-    decoder = StreamDecoder(tokenizer)
-    hold = max((len(s) for s in stop), default=1) - 1
-    pending = ""
+    """Text pieces for a stream of token ids, ending before the first eos or stop string."""
+    text = StopText(tokenizer, stop)
     eos_set = set(eos_ids)
-
-    def stop_at(text: str) -> int:
-        return min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-
     for t in tokens:
         if t in eos_set:
             break
-        pending += decoder.push(t)
-        cut = stop_at(pending)
-        if cut >= 0:
-            if cut:
-                yield pending[:cut]
+        piece = text.push(t)
+        if piece:
+            yield piece
+        if text.stopped:
             return
-        if len(pending) > hold:
-            yield pending[:len(pending) - hold]
-            pending = pending[len(pending) - hold:]
-    pending += decoder.flush()
-    cut = stop_at(pending)
-    pending = pending if cut < 0 else pending[:cut]
-    if pending:
-        yield pending
+    piece = text.flush()
+    if piece:
+        yield piece
 
 
 def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids,

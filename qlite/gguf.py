@@ -155,7 +155,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     """Write a checkpoint dir for a qwen2 GGUF file. Tensors are stored in `dtype` (float16 default)."""
     from gguf import GGUFReader
 
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     check_output(out_dir, force, inputs=(gguf_path,))  # before the long part; checked again at the end
     torch_dtype = FLOAT_DTYPES.get(dtype)
     if torch_dtype is None:

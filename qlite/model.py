@@ -178,6 +178,12 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def first_rows(self, n: int) -> "KVCache":
+        """A cache over rows 0..n-1 of this one, sharing its storage and length (no growth)."""
+        view = object.__new__(KVCache)
+        view.k, view.v, view.length, view.limit = self.k[:, :n], self.v[:, :n], self.length, self.capacity
+        return view
+
 
 class Attention(nn.Module):
     ops = TorchOps

@@ -17,7 +17,7 @@ def sampling_defaults(model_dir: Path) -> dict:
     gen = read_json(path) if path.exists() else {}
     if not gen.get("do_sample"):
         return {}
-    keys = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
+    keys = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
     try:
         defaults = {k: cast(gen[k]) for k, cast in keys.items() if gen.get(k) is not None}
         SamplingParams(**defaults)  # checked here, so that a bad value names this file
@@ -43,9 +43,17 @@ class TextModel:
     eos_ids: tuple[int, ...]
     defaults: dict = field(default_factory=dict)
 
-    def prompt_ids(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
-        """Token ids for a prompt; chat (default: when the checkpoint has a template) wraps it as a
-        user message after an optional system message."""
+    def prompt_ids(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt. A string in chat mode (default: when the checkpoint has a template)
+        is a user message after an optional system message; a list of messages (role system, user
+        or assistant, content text) is a whole conversation, rendered by the chat template."""
+        if isinstance(prompt, list):
+            messages = check_messages(prompt)
+            if system:
+                messages = [{"role": "system", "content": system}] + messages
+            if self.tokenizer.chat_template is None:
+                raise QliteError("a list of messages needs a chat template, and this checkpoint has none")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         if chat is None:
             chat = self.tokenizer.chat_template is not None
         if chat:
@@ -58,19 +66,43 @@ class TextModel:
         given = {k: v for k, v in overrides.items() if v is not None}
         return replace(SamplingParams(), **{**self.defaults, **given})
 
-    def stream(self, prompt: str, chat: bool | None = None, system: str | None = None, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None, **sampling) -> Iterator[str]:
         ids = self.prompt_ids(prompt, chat, system)
         return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids)
 
-    def generate(self, prompt: str, chat: bool | None = None, system: str | None = None, **sampling) -> str:
+    def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None, **sampling) -> str:
         return "".join(self.stream(prompt, chat, system, **sampling))
 
 
-def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto") -> TextModel:
-    """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer."""
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation as the chat template takes it: a non-empty list of {role, content} with a known
+    role and text content (a message's other keys are dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise QliteError("messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise QliteError(f"messages[{i}] must be {{role: {'|'.join(ROLES)}, content: text}}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto",
+         threads: int | None = None) -> TextModel:
+    """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer. `threads`: CPU threads
+    for torch and qlite's kernels (default: torch's, one per core)."""
+    import torch
+
     from .loader import load_model
 
-    model_dir = Path(model_dir)
+    if threads is not None:
+        if not isinstance(threads, int) or threads < 1:
+            raise QliteError(f"threads {threads!r}: must be a positive integer")
+        torch.set_num_threads(threads)
+    model_dir = Path(model_dir).expanduser()
     model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel)
     tokenizer = Tokenizer(model_dir)
     return TextModel(model, tokenizer, eos_token_ids(model_dir, model.config.eos_token_ids, tokenizer),

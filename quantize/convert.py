@@ -133,8 +133,9 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
 def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantConfig, force: bool
                       ) -> tuple[CheckpointDir, Path]:
     """The source dir, and --out or SRC plus the format's suffix beside SRC; never SRC or inside it."""
-    src = CheckpointDir(Path(src).resolve() if Path(src).exists() else src)
-    out = Path(out) if out is not None else src.path.parent / f"{src.path.name}-{qconfig.suffix}"
+    src = Path(src).expanduser()
+    src = CheckpointDir(src.resolve() if src.exists() else src)
+    out = Path(out).expanduser() if out is not None else src.path.parent / f"{src.path.name}-{qconfig.suffix}"
     if out.resolve() == src.path or src.path in out.resolve().parents:
         raise QliteError(f"--out {out}: must not be SRC or inside it")
     check_output(out, force, inputs=(src.path,))

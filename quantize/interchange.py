@@ -133,7 +133,7 @@ def export_checkpoint(src: str | Path, to: str, out: str | Path, force: bool = F
     exactly (empty when everything did)."""
     if to not in EXPORT_TARGETS:
         raise QliteError(f"--to {to}: choose {', '.join(EXPORT_TARGETS)}")
-    src_dir, out = CheckpointDir(src), Path(out)
+    src_dir, out = CheckpointDir(src), Path(out).expanduser()
     if to == "gguf":  # a file: checked there
         from .gguf_export import export_gguf
         return export_gguf(src_dir, out, force, progress)
@@ -410,7 +410,7 @@ def foreign_quantization(src: CheckpointDir) -> tuple[dict, str]:
 
 def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, progress: bool = True) -> QuantConfig:
     """Convert a GPTQ or compressed-tensors Qwen2 checkpoint dir into a qlite checkpoint, exactly."""
-    src_dir, out = CheckpointDir(src), Path(out)
+    src_dir, out = CheckpointDir(src), Path(out).expanduser()
     source_and_output(src_dir, out, force)
     q, where = foreign_quantization(src_dir)
     source = SOURCES[q["quant_method"]](src_dir, q, where)

@@ -101,10 +101,13 @@ def test_logits_that_overflow_stop_generation_with_an_error(capsys, ckpt, tmp_pa
     (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
     (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"), (["--top-k", "-1"], "--top-k"),
     (["--repetition-penalty", "inf"], "--repetition-penalty"), (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--kernel", "fast"], "--kernel"), (["--dtype", "int8"], "--dtype"),
+    (["--kernel", "fast"], "--kernel"), (["--dtype", "int8"], "--dtype"), (["--min-p", "1"], "--min-p"),
+    (["--min-p", "nan"], "--min-p"), (["--threads", "0"], "--threads"),
 ])
-def test_bad_generate_flags_are_named_before_loading(capsys, tmp_path, args, flag):
-    fails_cleanly(capsys, tmp_path, ["generate", "-m", tmp_path / "no-such-model", "-p", "hi", *args], flag)
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_generate_flags_are_named_before_loading(capsys, tmp_path, args, flag, command):
+    prompt = ["-p", "hi"] if command == "generate" else []
+    fails_cleanly(capsys, tmp_path, [command, "-m", tmp_path / "no-such-model", *prompt, *args], flag)
 
 
 @pytest.mark.parametrize("args, flag", [

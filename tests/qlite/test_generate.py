@@ -3,7 +3,7 @@ import torch
 
 from qlite.loader import load_model
 from qlite.errors import QliteError
-from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_top_k, filter_top_p,
+from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
                             detokenize, generate_tokens, next_token, stream_text)
 from qlite.tokenizer import Tokenizer
 
@@ -24,6 +24,15 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(0.6) == [True, True, False, False]
     assert kept(0.9) == [True, True, True, False]
     assert kept(1.0) == [True, True, True, True]
+
+
+def test_min_p_keeps_tokens_at_least_p_times_the_top_one():
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08]])
+    kept = lambda p: torch.isfinite(filter_min_p(probs.log(), p))[0].tolist()
+    assert kept(0.0) == [True, True, True, True]
+    assert kept(0.2) == [True, True, True, False]  # floor 0.1
+    assert kept(0.5) == [True, True, False, False]  # floor 0.25
+    assert kept(0.99) == [True, False, False, False]
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
@@ -47,7 +56,8 @@ def test_sampling_follows_the_distribution_and_the_seed():
 @pytest.mark.parametrize("kwargs, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
                                            (dict(temperature=float("nan")), "temperature"), (dict(top_k=-2), "top_k"),
                                            (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-                                           (dict(max_new_tokens=0), "max_new_tokens")])
+                                           (dict(max_new_tokens=0), "max_new_tokens"), (dict(min_p=1.0), "min_p"),
+                                           (dict(min_p=-0.1), "min_p")])
 def test_bad_sampling_settings_are_named(kwargs, field):
     with pytest.raises(QliteError, match=f"^{field} must"):
         SamplingParams(**kwargs)
@@ -96,3 +106,26 @@ def test_repetition_penalty_sees_real_tokens_only_in_a_padded_batch(tiny_ckpt):
     batch = torch.stack(list(generate_tokens(model, prompts, params, eos_ids=(), pad_id=0)), dim=1)
     for row, p in enumerate(prompts):
         assert batch[row].tolist() == [int(t[0]) for t in generate_tokens(model, [p], params, eos_ids=())]
+
+
+def test_python_api_takes_messages_threads_and_home_paths(tiny_ckpt, monkeypatch):
+    import qlite
+
+    monkeypatch.setenv("HOME", str(tiny_ckpt.parent))
+    before = torch.get_num_threads()
+    try:
+        lm = qlite.load(f"~/{tiny_ckpt.name}", dtype="float32", threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the"},
+                {"role": "assistant", "content": "in"}, {"role": "user", "content": "he"}]
+    rendered = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert lm.prompt_ids(messages) == lm.tokenizer.encode(rendered)
+    assert lm.generate(messages, max_new_tokens=5) == lm.generate(rendered, chat=False, max_new_tokens=5)
+    for bad, where in [([], "non-empty list"), ([{"role": "tool", "content": "x"}], "messages\\[0\\]"),
+                       ([{"role": "user", "content": 3}], "messages\\[0\\]")]:
+        with pytest.raises(QliteError, match=where):
+            lm.prompt_ids(bad)
+    with pytest.raises(QliteError, match="threads 0"):
+        qlite.load(tiny_ckpt, threads=0)

@@ -416,3 +416,18 @@ def test_bad_exports(quantized, src, tmp_path):
     for _ in range(2):  # a GGUF file is replaced with --force
         assert main(["export", str(bad_v1), "--to", "gguf", "--out", str(tmp_path / "e.gguf"), "--force"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "e.gguf"]
+
+
+def test_gptq_settings_in_quantize_config_json(gptq_dir, quantized, tmp_path):
+    """Older GPTQ checkpoints keep their settings in quantize_config.json beside config.json."""
+    old = tmp_path / "old"
+    shutil.copytree(gptq_dir, old)
+    config = json.loads((old / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    settings.pop("quant_method")
+    (old / "config.json").write_text(json.dumps(config))
+    (old / "quantize_config.json").write_text(json.dumps(settings))
+    import_checkpoint(old, tmp_path / "q", progress=False)
+    assert not (tmp_path / "q" / "quantize_config.json").exists()
+    ours, back = tensors(quantized["int4-g32"]), tensors(tmp_path / "q")
+    assert all(torch.equal(back[n], t) for n, t in ours.items() if not n.startswith("lm_head."))

@@ -1,0 +1,219 @@
+"""qlite serve against a real server on 127.0.0.1 with a tiny checkpoint, called with a plain HTTP
+client: answers equal the Python API's, streams join to them, batching is exact, bad requests get
+OpenAI-shaped 400s, a client that leaves frees its row, Ctrl-C exits 130."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+
+from qlite.engine import Engine  # noqa: E402
+from qlite.pipeline import load  # noqa: E402
+from qlite.server import make_app  # noqa: E402
+
+PROMPTS = ["the", "he in", "a", "the the", "in the he", "he", "t", "a the in"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_ckpt):
+    return load(tiny_ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    engine = Engine(lm, max_batch=8, ctx=128, max_queue=4).start()
+    port = free_port()
+    config = uvicorn.Config(make_app(lm, engine, "tiny"), host="127.0.0.1", port=port, log_level="error")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield port, engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.stop()
+
+
+def call(port, path, body=None, raw: bytes | None = None, method="POST"):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    payload = r.read()
+    conn.close()
+    return r.status, payload
+
+
+def chat(port, content, **extra):
+    status, payload = call(port, "/v1/chat/completions",
+                           {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra})
+    assert status == 200, payload
+    return json.loads(payload)
+
+
+def stream_pieces(port, path, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_answer_and_stream_equal_the_python_api(server, lm):
+    port, _ = server
+    want = lm.generate([{"role": "user", "content": "the"}], max_new_tokens=12)
+    got = chat(port, "the", max_tokens=12)
+    assert got["object"] == "chat.completion" and got["choices"][0]["message"] == {"role": "assistant",
+                                                                                  "content": want}
+    assert got["choices"][0]["finish_reason"] in ("stop", "length")
+    assert got["usage"]["prompt_tokens"] == len(lm.prompt_ids([{"role": "user", "content": "the"}]))
+    assert got["usage"]["total_tokens"] == got["usage"]["prompt_tokens"] + got["usage"]["completion_tokens"]
+    chunks = stream_pieces(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "the"}],
+                                                          "max_tokens": 12, "stream_options": {"include_usage": True}})
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == want
+    assert chunks[-1]["usage"] == got["usage"]
+
+
+def test_completions_models_health(server, lm):
+    port, _ = server
+    want = lm.generate("the he", chat=False, max_new_tokens=8)
+    status, payload = call(port, "/v1/completions", {"prompt": "the he", "max_tokens": 8})
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] == want
+    chunks = stream_pieces(port, "/v1/completions", {"prompt": "the he", "max_tokens": 8})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    status, payload = call(port, "/v1/models", method="GET")
+    assert status == 200 and json.loads(payload)["data"][0]["id"] == "tiny"
+    status, payload = call(port, "/health", method="GET")
+    assert status == 200 and json.loads(payload)["status"] == "ok"
+
+
+def test_sampling_settings_and_stop(server, lm):
+    port, _ = server
+    a = chat(port, "the", temperature=1.0, top_p=0.9, min_p=0.05, seed=3, max_tokens=10)
+    b = chat(port, "the", temperature=1.0, top_p=0.9, min_p=0.05, seed=3, max_tokens=10)
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]  # a seed makes it reproducible
+    full = chat(port, "the", max_tokens=12)["choices"][0]["message"]["content"]
+    if len(full) > 3:
+        stop = full[2:4]
+        cut = chat(port, "the", max_tokens=12, stop=[stop])["choices"][0]
+        assert cut["message"]["content"] == full[:full.find(stop)] and cut["finish_reason"] == "stop"
+    penalized = chat(port, "the", max_tokens=12, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    assert penalized["usage"]["completion_tokens"] >= 1
+
+
+def test_concurrent_requests_are_exact(server, lm):
+    """8 different prompts at once decode together; each answer equals that prompt alone."""
+    port, engine = server
+    want = [lm.generate([{"role": "user", "content": p}], max_new_tokens=16) for p in PROMPTS]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: chat(port, p, max_tokens=16)["choices"][0]["message"]["content"], PROMPTS))
+    assert got == want
+
+
+@pytest.mark.parametrize("body, raw, param", [
+    (None, b"{not json", None),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, None, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, None, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, None, "temperature"),
+    ({"messages": "hi"}, None, "messages"),
+    ({"messages": [{"role": "user"}]}, None, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, None, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, None, "stop"),
+    ([1, 2], None, None),
+])
+def test_bad_requests_get_400(server, body, raw, param):
+    port, engine = server
+    status, payload = call(port, "/v1/chat/completions", body, raw=raw)
+    assert status == 400, payload
+    error = json.loads(payload)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    assert engine.load()["active"] == 0
+
+
+def test_a_client_that_leaves_frees_its_row(server):
+    port, engine = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "the", "max_tokens": 120, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.fp.readline()  # the first event
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 20
+    while engine.load()["active"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.load() == {"active": 0, "waiting": 0, "max_batch": 8, "ctx": 128}
+
+
+def test_serve_command_exits_130_on_ctrl_c(tiny_ckpt):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-m", "qlite", "serve", "-m", str(tiny_ckpt), "--port", str(port),
+                             "--ctx", "128", "--dtype", "float32"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if call(port, "/health", method="GET")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted"
+    with socket.create_server(("127.0.0.1", port)):  # the port is free again
+        pass
+    busy = socket.create_server(("127.0.0.1", 0))
+    r = subprocess.run([sys.executable, "-m", "qlite", "serve", "-m", str(tiny_ckpt), "--port",
+                        str(busy.getsockname()[1])], capture_output=True, text=True, env=env, timeout=60)
+    busy.close()
+    assert r.returncode == 1 and r.stderr.startswith("error: --host 127.0.0.1 --port") and "Traceback" not in r.stderr
+
+
+def test_a_full_queue_answers_503(lm):
+    from qlite.engine import Job
+    from qlite.generate import SamplingParams
+
+    engine = Engine(lm, max_batch=1, ctx=64, max_queue=1)  # not started: nothing leaves the queue
+    job = lambda: Job(lambda: [1, 2], SamplingParams(), emit=lambda ev: None)
+    assert engine.submit(job()) and engine.submit(job())  # one for the free row, one waiting
+    assert not engine.submit(job())
+
+
+def test_soak_on_a_tiny_model(tiny_ckpt):
+    """The soak script (eval/serve_load.py) in small: random lengths, clients that leave, bad requests."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--soak", "--requests", "60",
+                        "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import re
+    m = re.search(r"(\d+)/(\d+) good answered, (\d+)/(\d+) bad got 400, (\d+) left.*active 0, waiting 0", r.stdout)
+    assert m and m[1] == m[2] and m[3] == m[4], r.stdout
+    assert "Ctrl-C: exit status 130" in r.stdout
