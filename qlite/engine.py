@@ -32,7 +32,7 @@ class Job:
     """One request: `prepare` (run on the engine thread: templates render there) gives the prompt
     ids; events go to `emit` (thread-safe); set `cancelled` to abandon it (a client that left)."""
     prepare: Callable[[], list[int]]
-    params: SamplingParams  # max_new_tokens is set from max_tokens (None: up to the context) at admission
+    params: SamplingParams  # max_new_tokens: the request's max_tokens, or None-like 0 for "to the context"
     emit: Callable[[Event], None]
     max_tokens: int | None = None
     presence_penalty: float = 0.0

@@ -17,7 +17,6 @@ from qlite.gguf import gguf_name
 from qlite.outputs import atomic_output_file, check_output_file
 
 from . import foreign
-from .interchange import in_features
 
 FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, None: 1}  # llama.cpp's LlamaFileType: MOSTLY_*, F16
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
@@ -75,7 +74,7 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             if not isinstance(fmt, (Int4, Int8)):
                 raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
             n = info.shape[0]
-            k = in_features(src, module, fmt)
+            k = src.tensors[f"{module}.scales"].shape[1] * fmt.group_size if isinstance(fmt, Int4) else info.shape[1]
             kind = foreign.gguf_type(fmt, src.read(f"{module}.zeros") if isinstance(fmt, Int4) else None)
             if module != "lm_head":
                 kinds.add(kind)  # the file type names the decoder's

@@ -106,11 +106,11 @@ def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict
         if not isinstance(fmt, (Int4, Int8)):
             raise QliteError(f"{src.path}: {module} is {fmt.name if fmt else '16-bit'}; only qlite's int4 and int8 "
                              f"formats export (bitsandbytes formats stay bitsandbytes')")
-        layer[module] = (src.tensors[f"{module}.scales"].shape[0], in_features(src, module, fmt))
+        layer[module] = (src.tensors[f"{module}.scales"].shape[0], _in_features(src, module, fmt))
     return cfg, cfg.quantization, layer
 
 
-def in_features(src: CheckpointDir, module: str, fmt: Format) -> int:
+def _in_features(src: CheckpointDir, module: str, fmt: Format) -> int:
     q = src.tensors[f"{module}.qweight"].shape[1]
     if isinstance(fmt, Int8):
         return q
