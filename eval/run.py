@@ -24,6 +24,7 @@ from .data import chunk_tokens
 from .metrics import Fidelity, token_stats
 
 SCORING = "every token after the first of each chunk is scored"
+DECODE_BATCH = 8  # chunks decoded side by side with --decode (each row's numerics are its own)
 
 
 @dataclass
@@ -47,9 +48,18 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
+def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, vocab) for ids (B, T) fed one token per step through the KV cache, as generation
+    computes them: the decoding kernels' numerics rather than prefill's."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    return torch.cat([model(ids[:, t:t + 1], cache) for t in range(ids.shape[1])], dim=1)
+
+
 @torch.inference_mode()
 def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_chunks: int | None = None,
-             dtype: str = "auto", baseline_dtype: str = "float32", progress: bool = True) -> list[Row]:
+             dtype: str = "auto", baseline_dtype: str = "float32", progress: bool = True, kernel: str = "auto",
+             decode: bool = False) -> list[Row]:
+    """decode: the models' logits come one token at a time (decode_logits), the baseline's in one pass."""
     from tqdm import tqdm
 
     baseline = Path(baseline)
@@ -65,25 +75,34 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
             raise QliteError(f"{d}: its tokenizer differs from the baseline's ({baseline}); "
                              "the models must score the same tokens")
     base = load_model(baseline, dtype=baseline_dtype)
-    models = [(d, load_model(d, dtype=dtype)) for d in model_dirs]
+    models = [(d, load_model(d, dtype=dtype, kernel=kernel)) for d in model_dirs]
     described = {d: describe_model(d) for d in model_dirs}
     rows = []
     for source in data:
         chunks = chunk_tokens(tokenizer.encode(load_text(source)), ctx, max_chunks)
         fidelity = {d: Fidelity() for d in model_dirs}
-        for chunk in tqdm(chunks, desc=f"eval {source}", unit="chunk", disable=not progress):
-            ids = torch.tensor([chunk])
-            targets = ids[0, 1:]
-            base_logp = torch.log_softmax(base(ids)[0, :-1].float(), dim=-1)  # (ctx-1, V)
-            for d, model in models:
-                fidelity[d].add(token_stats(base_logp, model(ids)[0, :-1], targets))
-            del base_logp
+        batch = DECODE_BATCH if decode else 1
+        for i in tqdm(range(0, len(chunks), batch), desc=f"eval {source}", unit="batch" if decode else "chunk",
+                      disable=not progress):
+            ids = torch.tensor(chunks[i:i + batch])  # (chunks, ctx)
+            logits = {d: decode_logits(model, ids) if decode else model(ids) for d, model in models}
+            for b in range(ids.shape[0]):
+                base_logp = torch.log_softmax(base(ids[b:b + 1])[0, :-1].float(), dim=-1)  # (ctx-1, V)
+                for d in model_dirs:
+                    fidelity[d].add(token_stats(base_logp, logits[d][b, :-1], ids[b, 1:]))
+                del base_logp
         for d in model_dirs:
             rows.append(Row(d.name, *described[d], source, fidelity[d].summary()))
     return rows
 
 
-def markdown_table(rows: list[Row], baseline: str, ctx: int) -> str:
+def how_run(kernel: str = "auto", decode: bool = False) -> str:
+    """How the evaluated models made their logits, for the tables' footnote."""
+    return (f"models run with --kernel {kernel}, "
+            + ("one token per step through the KV cache (--decode)" if decode else "one pass per chunk"))
+
+
+def markdown_table(rows: list[Row], baseline: str, ctx: int, how: str = how_run()) -> str:
     head = ("| model | format | bits/w | MiB | data | tokens | PPL | PPL base | PPL ratio | mean KLD "
             "| KLD p50 | p90 | p95 | p99 | p99.9 | top-1 | mean Δp | RMS Δp |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -96,21 +115,21 @@ def markdown_table(rows: list[Row], baseline: str, ctx: int) -> str:
             f"| {m['kld_p95']:.4f} | {m['kld_p99']:.4f} | {m['kld_p99.9']:.4f} | {100 * m['top1']:.2f}% "
             f"| {100 * m['dp_mean']:+.3f}% | {100 * m['dp_rms']:.3f}% |")
     lines.append("")
-    lines.append(f"Baseline {baseline} (float32 activations); models run with their default kernels. "
+    lines.append(f"Baseline {baseline} (float32 activations, one pass per chunk); {how}. "
                  f"Chunks of {ctx} tokens; {SCORING}. KLD is KL(baseline || model) per token, in nats; "
                  "bits/w counts the decoder's linear layers (scales and zero points included).")
     return "\n".join(lines)
 
 
 def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | None, md_path: Path | None,
-                  code_rows=None) -> str:
+                  code_rows=None, how: str = how_run()) -> str:
     """The Markdown tables (fidelity, then code tasks when run), also written as JSON / Markdown."""
     from .code_eval import code_table
 
-    tables = ([markdown_table(rows, baseline, ctx)] if rows else []) + ([code_table(code_rows)] if code_rows else [])
+    tables = ([markdown_table(rows, baseline, ctx, how)] if rows else []) + ([code_table(code_rows)] if code_rows else [])
     text = "\n\n".join(tables)
     if json_path:
-        report = {"baseline": baseline, "ctx": ctx, "scoring": SCORING, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        report = {"baseline": baseline, "ctx": ctx, "scoring": SCORING, "how": how, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "rows": [asdict(r) for r in rows]}
         if code_rows:
             report["code_tasks"] = [r.summary() for r in code_rows]

@@ -2,13 +2,14 @@
 quantized and each 16-bit linear layer, and which small ops (RMSNorm, SiLU * up, attention) the
 decoder calls. The model math itself (model.py) never asks which backend it runs on.
 
-| backend   | quantized linears                   | 16-bit linears   | small ops         |
-|-----------|-------------------------------------|------------------|-------------------|
-| reference | dequantize + F.linear               | torch            | torch             |
-| aten      | torch's int8/int4 CPU kernels       | torch            | torch             |
-| native    | qlite's C kernels                   | qlite's C GEMV   | qlite's C ops     |
-| bnb       | bitsandbytes' nf4 / LLM.int8        | torch            | torch             |
-| auto      | native, else aten, else bnb, else reference, for each layer | native if it can | native if it can |
+| backend    | quantized linears                                       | 16-bit linears | small ops        |
+|------------|---------------------------------------------------------|----------------|------------------|
+| reference  | dequantize + F.linear                                   | torch          | torch            |
+| aten       | torch's int8/int4 CPU kernels                           | torch          | torch            |
+| native     | qlite's C kernels, decoding with int8 activations where the CPU (VNNI) and the groups allow, else as native-a16 | qlite's C GEMV | qlite's C ops |
+| native-a16 | qlite's C kernels, activations bf16 (the stored weights' exact products) | qlite's C GEMV | qlite's C ops |
+| bnb        | bitsandbytes' nf4 / LLM.int8                            | torch          | torch            |
+| auto       | native, else aten, else bnb, else reference, per layer  | native if it can | native if it can |
 
 A backend that cannot run a layer (`--kernel native` on a CPU without AVX-512 BF16, say) is a
 one-line error naming the layer. A new kernel is one class in kernels.py plus its place in this table."""
@@ -21,7 +22,8 @@ from torch import nn
 
 from . import native
 from .errors import QliteError
-from .kernels import AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference
+from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference, VnniInt4,
+                      VnniInt8)
 from .model import Linear, Step, TorchOps
 from .qlinear import QuantLinear
 
@@ -59,11 +61,13 @@ class Backend:
     quantized_only: bool = False  # it changes nothing for a 16-bit model: naming it there is a mistake
 
 
-NATIVE_QUANTIZED = (NativeInt8, NativeInt4)
+NATIVE_A16 = (NativeInt8, NativeInt4)
+NATIVE_QUANTIZED = (VnniInt8, VnniInt4, *NATIVE_A16)
 BACKENDS = {
     "reference": Backend((Reference,), (), TorchOps),
     "aten": Backend((AtenInt8, AtenInt4), (), TorchOps, quantized_only=True),
     "native": Backend(NATIVE_QUANTIZED, (NativeBf16,), NativeOps),
+    "native-a16": Backend(NATIVE_A16, (NativeBf16,), NativeOps),
     "bnb": Backend((BnbNF4, BnbInt8), (), TorchOps, quantized_only=True),
     "auto": Backend((*NATIVE_QUANTIZED, AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference), (NativeBf16,), NativeOps),
 }

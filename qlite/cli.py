@@ -26,7 +26,7 @@ import click  # noqa: E402
 from .errors import QliteError  # noqa: E402
 
 DTYPE_CHOICES = click.Choice(["auto", "float32", "bfloat16", "float16"])
-KERNEL_CHOICES = click.Choice(["auto", "native", "aten", "bnb", "reference"])  # backends.BACKENDS (tested)
+KERNEL_CHOICES = click.Choice(["auto", "native", "native-a16", "aten", "bnb", "reference"])  # backends.BACKENDS (tested)
 
 
 class Number(click.ParamType):
@@ -291,12 +291,17 @@ def check_writable(path: Path | None, flag: str) -> None:
 @click.option("--max-tasks", type=at_least(1), help="the first N tasks only")
 @click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True, help="per code-task answer")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
+@click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True, help="backend of the evaluated models")
+@click.option("--decode", is_flag=True,
+              help="score the models' logits as decoding makes them (one token per step, KV cache) instead of "
+                   "one pass per chunk: what the decoding kernels cost in fidelity")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
-def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, json_path, md_path):
+def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, kernel, decode,
+             json_path, md_path):
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
     --tasks whether their greedy answers to code tasks still pass hidden tests."""
-    from eval.run import evaluate, write_reports
+    from eval.run import evaluate, how_run, write_reports
 
     check_writable(json_path, "--json")
     check_writable(md_path, "--markdown")
@@ -307,12 +312,13 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     if tasks:
         from eval.code_tasks import load_tasks
         code_tasks = load_tasks(tasks)[:max_tasks]
-    rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype) if data else []
+    rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype, kernel=kernel,
+                    decode=decode) if data else []
     code_rows = None
     if code_tasks:
         from eval.code_eval import evaluate_code
         code_rows = evaluate_code(model_dirs, baseline, code_tasks, dtype=dtype, max_new_tokens=max_new_tokens)
-    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path, code_rows))
+    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path, code_rows, how_run(kernel, decode)))
 
 
 @cli.command("import-gguf")

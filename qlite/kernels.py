@@ -9,9 +9,13 @@ needs and is called with the activations. backends.py says which kernels a backe
 - native (CPU with AVX-512 BF16): qlite's own kernels (native.py) on the canonical buffers as stored:
   a matrix-vector product for decoding (up to MAX_ROWS rows), and for more rows (prefill) the weight
   dequantized to bf16 and one bf16 matmul. No copy, so memory holds the checkpoint's bytes.
+- vnni (CPU with AVX-512 VNNI too): the same, but the decoding product quantizes the activations to
+  int8 per 128 inputs and multiplies in integers, as llama.cpp does (up to VNNI_MAX_ROWS rows).
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -90,18 +94,37 @@ class AtenInt4:
         return _bias(y[:, :N].to(x.dtype).reshape(*x.shape[:-1], N), self.bias)
 
 
+_scratch = threading.local()
+SCRATCH_MAX = 128 * 2**20  # elements: the largest bf16 weight kept for reuse between calls (256 MB)
+
+
+def dequantize_buffer(N: int, K: int) -> torch.Tensor:
+    """A bf16 [N, K] to dequantize a weight into for one matmul: this thread's reused buffer (a fresh
+    17 MB allocation per layer per prefill costs its page faults: 3 of every 4 prefill milliseconds on
+    the demo model), or a new tensor beyond SCRATCH_MAX."""
+    if N * K > SCRATCH_MAX:
+        return torch.empty(N, K, dtype=torch.bfloat16)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < N * K:
+        buf = _scratch.buf = torch.empty(N * K, dtype=torch.bfloat16)
+    return buf[:N * K].view(N, K)
+
+
 class _Native:
-    """Up to native.MAX_ROWS rows: the kernel's matrix-vector product; more: the weight dequantized to
-    bf16 for this call only, and one bf16 matmul."""
+    """Up to max_rows rows: the kernel's matrix-vector product; more: the weight dequantized to
+    bf16 (into dequantize_buffer) for this call only, and one bf16 matmul."""
+    max_rows = native.MAX_ROWS
 
     def __init__(self, layer):
         self.stored = [t.contiguous() for t in layer.stored().values()]
-        self.bias, self.bias32, self.in_features = layer.bias, native.float_bias(layer.bias), layer.in_features
+        self.bias, self.bias32 = layer.bias, native.float_bias(layer.bias)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def __call__(self, x):
-        if x.numel() // self.in_features <= native.MAX_ROWS:
+        if x.numel() // self.in_features <= self.max_rows:
             return self.gemv(x, *self.stored, self.bias32).to(x.dtype)
-        return _bias(F.linear(x.to(torch.bfloat16), self.dequantize(*self.stored)).to(x.dtype), self.bias)
+        weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
+        return _bias(F.linear(x.to(torch.bfloat16), weight).to(x.dtype), self.bias)
 
 
 class NativeInt8(_Native):
@@ -124,6 +147,36 @@ class NativeInt4(_Native):
         return (isinstance(layer.fmt, Int4) and layer.fmt.group_size % 64 == 0
                 and layer.in_features % layer.fmt.group_size == 0 and _on_cpu(layer)
                 and layer.fmt.groups(layer.in_features) <= native.MAX_GROUPS and native.library() is not None)
+
+
+def _vnni_fits(layer) -> bool:
+    return native.vnni_ready() and native.vnni_fits(layer.in_features, layer.in_features // layer.fmt.groups(layer.in_features))
+
+
+class VnniInt8(NativeInt8):
+    """NativeInt8 with the activations quantized to int8 (per 128 inputs) for its few-row products:
+    integer dot products (AVX-512 VNNI), llama.cpp's numerics; cheaper per row, so more rows pay."""
+    name = "vnni-int8"
+    max_rows = native.VNNI_MAX_ROWS
+
+    @staticmethod
+    def gemv(x, qweight, scales, bias32):
+        return native.gemv_vnni(x, qweight, scales, None, bias32)
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return NativeInt8.supports(layer) and _vnni_fits(layer)
+
+
+class VnniInt4(NativeInt4):
+    """The same for int4 weights."""
+    name = "vnni-int4"
+    max_rows = native.VNNI_MAX_ROWS
+    gemv = staticmethod(native.gemv_vnni)
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return NativeInt4.supports(layer) and _vnni_fits(layer)
 
 
 class NativeBf16:

@@ -23,12 +23,15 @@ SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
 MAX_GROUPS = 1024  # kernels.c's MAX_GROUPS
+VNNI_MAX_ROWS = 16  # the int8-activation kernels beat dequantize + bf16 matmul up to about this many
+CHUNK = 128  # kernels.c's CHUNK: the int8-activation kernels quantize x per this many inputs
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
     "qlite_gemv_bf16": [_P, _L, _P, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_int8": [_P, _L, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_int4": [_P, _L, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
@@ -162,19 +165,52 @@ def _check_int4(qweight, scales, zeros) -> None:
     _check_groups(N, K, scales.shape[-1], 64)
 
 
-def dequantize_int8(qweight, scales) -> torch.Tensor:
+def vnni_ready() -> bool:
+    """Whether the int8-activation kernels (AVX-512 VNNI) were built for this CPU."""
+    return library() is not None and library().qlite_vnni_abi() == 1
+
+
+def vnni_fits(in_features: int, group_size: int) -> bool:
+    """Whether gemv_vnni takes a layer: groups and the width whole CHUNKs."""
+    return in_features % CHUNK == 0 and group_size % CHUNK == 0 and in_features // group_size <= MAX_GROUPS
+
+
+def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
+    """gemv_int8 / gemv_int4 (zeros None for int8) with x quantized to int8 per CHUNK of inputs
+    (absmax / 127, one fp32 scale each) and integer dot products: llama.cpp's numerics, not exact."""
+    int4 = zeros is not None
+    N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
+    _check_int4(qweight, scales, zeros) if int4 else _check_int8(qweight, scales)
+    _check_rule(vnni_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
+                f"not whole chunks of {CHUNK} (or no AVX-512 VNNI)")
+    _check_gemv(x, K, bias32, N)
+    xb, M, y, out_bf16 = _gemv_io(x, K, N)
+    library().qlite_gemv_vnni(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), _ptr(zeros), int(int4),
+                              scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
+    return y
+
+
+def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(N, K, dtype=torch.bfloat16)
+    _check(out, torch.bfloat16, (N, K), "out")
+    return out
+
+
+def dequantize_int8(qweight, scales, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 weights [N, K], into `out` if given."""
     N, K = qweight.shape
     _check_int8(qweight, scales)
-    out = torch.empty(N, K, dtype=torch.bfloat16)
+    out = _bf16_out(out, N, K)
     library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, out.data_ptr(),
                                     torch.get_num_threads())
     return out
 
 
-def dequantize_int4(qweight, scales, zeros) -> torch.Tensor:
+def dequantize_int4(qweight, scales, zeros, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     _check_int4(qweight, scales, zeros)
-    out = torch.empty(N, K, dtype=torch.bfloat16)
+    out = _bf16_out(out, N, K)
     library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K,
                                     out.data_ptr(), torch.get_num_threads())
     return out

@@ -61,3 +61,18 @@ def test_cli_runs_code_tasks_beside_or_without_the_fidelity_table(capsys, tmp_pa
     assert all(not r["passed"] and 1 <= r["tokens"] <= 8 for r in results)  # a random model writes no code
     assert main(["eval", str(quant), "--baseline", str(base), "--data", "none"]) != 0
     assert "--data none: nothing to evaluate" in capsys.readouterr().err
+
+
+def test_decode_scores_the_same_logits_one_token_at_a_time(base_and_quant, capsys, tmp_path):
+    """--decode: the KV-cache path gives the one-pass logits (float32, reference kernel), so a model against
+    itself stays perfect; the footnote says how the logits were made."""
+    base, quant, text = base_and_quant
+    kw = dict(data=[str(text)], ctx=32, max_chunks=3, dtype="float32", kernel="reference", progress=False)
+    self_row, q_row = evaluate([base, quant], base, decode=True, **kw)
+    assert self_row.metrics["kld_mean"] == pytest.approx(0, abs=1e-6) and self_row.metrics["top1"] == 1.0
+    assert q_row.metrics["kld_mean"] == pytest.approx(evaluate([quant], base, **kw)[0].metrics["kld_mean"], rel=1e-3)
+    code = main(["eval", str(quant), "--baseline", str(base), "--data", str(text), "--ctx", "32", "--max-chunks", "2",
+                 "--decode", "--kernel", "reference", "--json", str(tmp_path / "r.json")])
+    assert code == 0 and "models run with --kernel reference, one token per step through the KV cache (--decode)" \
+        in capsys.readouterr().out
+    assert "--decode" in json.loads((tmp_path / "r.json").read_text())["how"]

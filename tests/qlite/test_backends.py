@@ -73,7 +73,7 @@ def test_backend_is_chosen_once_and_can_be_changed(ckpts):
 
 
 def test_unknown_backend_is_a_one_line_error(ckpts):
-    with pytest.raises(QliteError, match="--kernel fast: choose reference, aten, native, bnb, auto"):
+    with pytest.raises(QliteError, match="--kernel fast: choose reference, aten, native, native-a16, bnb, auto"):
         load_model(ckpts["bf16"], kernel="fast")
 
 

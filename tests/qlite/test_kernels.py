@@ -6,7 +6,7 @@ from qlite import native
 from qlite.backends import BACKENDS, choose_kernel
 from qlite.errors import QliteError
 from qlite.formats import Int4, Int8, format_named
-from qlite.kernels import AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeInt4, NativeInt8, Reference
+from qlite.kernels import AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeInt4, NativeInt8, Reference, VnniInt4, VnniInt8
 from qlite.qlinear import QuantLinear
 
 FORMATS = [Int8(), Int4(128), Int4(64, True), Int4(32)]
@@ -23,23 +23,31 @@ def make_layer(n, k, fmt, bias=True, seed=0):
     return layer
 
 
-@pytest.mark.parametrize("backend", ["aten", "native"])
+def expected_kernel(backend, fmt):
+    int4 = fmt.bits == 4
+    if backend == "aten":
+        return (AtenInt8, AtenInt4)[int4]
+    vnni = backend == "native" and native.vnni_ready() and (fmt.group_size or 128) % native.CHUNK == 0
+    return ((VnniInt8, VnniInt4) if vnni else (NativeInt8, NativeInt4))[int4]
+
+
+@pytest.mark.parametrize("backend", ["aten", "native", "native-a16"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [256, 40, 37])  # output widths that are not multiples of 8 or 16
-@pytest.mark.parametrize("rows", [1, 9])  # 2 x 9 rows: native's prefill path (dequantize, bf16 matmul)
+@pytest.mark.parametrize("rows", [1, 5, 9])  # 2 x 5: VNNI's products, native-a16's prefill; 2 x 9: prefill for all
 @pytest.mark.parametrize("bias", [True, False])
 def test_fast_kernels_match_reference(backend, fmt, n, rows, bias):
     layer = make_layer(n, 256, fmt, bias)
     x = torch.randn(2, rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     expected = layer(x).float()  # no kernel set: the reference
     kernel = choose_kernel(layer, backend)
-    if backend == "native":
+    if backend.startswith("native"):
         if native.library() is None:
             pytest.skip("native kernels unavailable here")
         if fmt.bits == 4 and fmt.group_size % 64:
             assert kernel is None  # its int4 blocks are 64 wide; auto falls back to aten
             return
-    assert kernel is {"aten": (AtenInt8, AtenInt4), "native": (NativeInt8, NativeInt4)}[backend][fmt.bits == 4]
+    assert kernel is expected_kernel(backend, fmt)
     layer.kernel = kernel(layer)
     got = layer(x)
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
@@ -68,7 +76,7 @@ def test_float32_activations_come_back_float32():
 
 def test_grouped_int8_runs_native_or_reference_and_aten_refuses_it():
     layer = make_layer(64, 256, Int8(128))
-    assert choose_kernel(layer, "auto") is (Reference if native.library() is None else NativeInt8)
+    assert choose_kernel(layer, "auto") is (Reference if native.library() is None else expected_kernel("native", Int8(128)))
     assert choose_kernel(layer, "aten") is None
     with pytest.raises(QliteError, match="--kernel"):
         choose_kernel(layer, "cuda-magic")

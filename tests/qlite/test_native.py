@@ -61,6 +61,46 @@ def test_gemv_int4_matches_dequantized_matmul(group_size, symmetric, rows, n):
     assert rel_err(native.gemv_int4(x, q, s, z, None), want) < 1e-5
 
 
+def int_activations(x: torch.Tensor, int4: bool) -> torch.Tensor:
+    """The image of bf16 rows x (M, K) that gemv_vnni multiplies, computed independently: int4 weights meet
+    int8 x, absmax / 127 per 8 neighbouring inputs; int8 weights meet int16 x, absmax / 32767 per the 8
+    inputs {32 t + 2 l, 32 t + 2 l + 1 : t < 4} of each chunk of 128 (one int32 lane of vpdpwssd)."""
+    x = x.float()
+    M, K = x.shape
+    if int4:
+        blocks, top = x.view(M, K // 8, 8), 127  # (M, blocks, 8)
+    else:
+        blocks, top = x.view(M, K // 128, 4, 16, 2).transpose(2, 3).reshape(M, K // 128, 16, 8), 32767
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # x * (top / amax), the kernel's float32 ops (torch's scalar / tensor is not the correctly rounded quotient)
+    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+    image = torch.round(blocks * inverse) * (amax / top)  # round half to even, like the kernel
+    if not int4:
+        image = image.view(M, K // 128, 16, 4, 2).transpose(2, 3)
+    return image.reshape(M, K)
+
+
+@pytest.mark.skipif(not native.vnni_ready(), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int8(None), Int8(128)], ids=str)
+@pytest.mark.parametrize("rows, n", [(1, 37), (6, 256), (16, 40)])  # partial blocks of 4 weight rows / 4 x rows
+def test_gemv_vnni_is_the_product_with_integer_activations(fmt, rows, n):
+    K = 384
+    stored = fmt.quantize(torch.randn(n, K, generator=gen(0)))
+    x = torch.randn(rows, K, generator=gen(1))
+    x[:, 5] *= 100  # an outlier channel: only its own block's scale widens
+    x = x.bfloat16().float()  # what the kernel reads; float32 in, so float32 out (not rounded to bf16)
+    b = torch.randn(n, generator=gen(2))
+    w = fmt.dequantize(stored, K)
+    int4 = isinstance(fmt, Int4)
+    got = native.gemv_vnni(x, stored["qweight"], stored["scales"], stored.get("zeros"), b)
+    assert rel_err(got, F.linear(int_activations(x, int4), w, b)) < 2e-5  # its numerics, to fp32 rounding
+    exact = F.linear(x.float(), w, b)
+    assert rel_err(got, exact) < (1e-2 if int4 else 5e-5)  # measured 3-8e-3 (int8 x; the outlier's block worst), ~1.5e-5 (int16 x)
+    rows_alone = torch.cat([native.gemv_vnni(x[i:i + 1], stored["qweight"], stored["scales"], stored.get("zeros"), b)
+                            for i in range(rows)])
+    assert torch.equal(got, rows_alone)  # a row's result never depends on the rows batched with it
+
+
 def test_dequantize_to_bf16_is_exact():
     w = torch.randn(40, 256, generator=gen(0))
     int8 = Int8(64).quantize(w)
@@ -111,7 +151,7 @@ def native_ckpts(tmp_path_factory):
     from quantize.convert import convert
     src = make_checkpoint(tmp_path_factory.mktemp("native") / "bf16", **NATIVE_WIDTHS)
     out = {"bf16": src}
-    for name, bits, group in (("int8", 8, None), ("int4", 4, 64)):
+    for name, bits, group in (("int8", 8, None), ("int4", 4, 64), ("int4-g128", 4, 128)):
         out[name] = convert(src, src.parent / name, bits=bits, group_size=group, progress=False).out_dir
     return out
 
@@ -130,14 +170,25 @@ def kld(ref, logits):
     return (ref.softmax(-1) * (ref.log_softmax(-1) - logits.log_softmax(-1))).sum(-1).mean().item()
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
-def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, kind, monkeypatch):
+RUNS_ON = {  # the kernels each backend gives the tiny checkpoints' linears (int4 g64 is not whole VNNI chunks)
+    "native-a16": {"bf16": {"native-bf16"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"},
+                   "int4-g128": {"native-int4", "native-int8"}},
+    "native": {"bf16": {"native-bf16"}, "int8": {"vnni-int8"}, "int4": {"native-int4", "vnni-int8"},
+               "int4-g128": {"vnni-int4", "vnni-int8"}},
+}
+
+
+@pytest.mark.parametrize("kernel", ["native", "native-a16"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128"])
+def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, kind, kernel, monkeypatch):
     """Random tiny models have near-ties, so greedy tokens are compared on the demo model
     (tests/quantize/test_demo_quantized.py); here: the decode logits themselves."""
+    if kernel == "native" and not native.vnni_ready():
+        pytest.skip("no AVX-512 VNNI")
     ids = torch.randint(0, 500, (1, 44), generator=gen(3))
-    fast, model = logits_along(native_ckpts[kind], ids)
+    fast, model = logits_along(native_ckpts[kind], ids, kernel=kernel)
     runs_on = {m.kernel.name for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
-    assert runs_on == {"bf16": {"native-bf16"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"}}[kind]
+    assert runs_on == RUNS_ON[kernel][kind]
     ref, _ = logits_along(native_ckpts[kind], ids, "float32", "reference")
     monkeypatch.setenv("QLITE_NATIVE", "0")
     native.library.cache_clear()
@@ -146,7 +197,10 @@ def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, ki
     finally:
         monkeypatch.delenv("QLITE_NATIVE")
         native.library.cache_clear()
-    assert kld(ref, fast) <= 1.25 * kld(ref, slow)  # measured: 0.78-0.98x the torch path's KLD
+    # measured: 0.78-0.98x the torch path's KLD; int4 with int8 activations 1.5x on this random tiny model
+    # (on the demo model's decode, +0.4-0.6%: README "Decoding kernels")
+    bar = 1.75 if RUNS_ON[kernel][kind] & {"vnni-int4"} else 1.25
+    assert kld(ref, fast) <= bar * kld(ref, slow)
     assert (fast - slow).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -156,7 +210,8 @@ def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, ki
 def test_demo_greedy_answer_is_the_reference_paths(which, reference, request):
     """The same 64 greedy tokens with the native kernels as with the reference path: float32 for the
     16-bit model (torch's bf16 path itself differs from it at token 6: "n" for "number"), and torch's
-    aten kernels for the quantized ones."""
+    aten kernels for the quantized ones. Native decodes int4/int8 with integer activations (VNNI) where
+    the CPU has it; its 64 tokens still equal aten's, which keeps bf16 activations."""
     model_dir = request.getfixturevalue(which)
 
     def answer(native_flag, *extra):
@@ -181,6 +236,9 @@ def test_a_wrong_call_is_an_error_never_an_out_of_bounds_access():
         "zeros of another group count": lambda: native.gemv_int4(x, q4, s4, z4[:, :1], None),
         "groups that do not divide": lambda: native.gemv_int8(x, q8, torch.ones(N, 3, dtype=torch.float16), None),
         "x of another width": lambda: native.gemv_int8(x[:, :128], q8, s8, None),
+        "groups narrower than a VNNI chunk": lambda: native.gemv_vnni(x, q8, torch.ones(N, 4, dtype=torch.float16),
+                                                                      None, None),
+        "int4 zeros of another group count": lambda: native.gemv_vnni(x, q4, s4, z4[:, :1], None),
         "a short bias": lambda: native.gemv_bf16(x, torch.zeros(N, K, dtype=torch.bfloat16), torch.zeros(N - 1), ),
         "a strided weight": lambda: native.gemv_bf16(x, torch.zeros(K, N, dtype=torch.bfloat16).t(), None),
         "a norm weight too short": lambda: native.rmsnorm(x, torch.ones(K // 2, dtype=torch.bfloat16), 1e-6),
