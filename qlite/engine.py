@@ -188,24 +188,30 @@ class Engine:
         view = self.cache.first_rows(B)
         logits = self.lm.model(ids, view, positions, None if plain else self.key_mask[:B, :t + 1], last_only=True)
         self.cache.length = t + 1
+        rows = logits[:, -1].float()  # (B, V): one conversion, finiteness check and argmax for the whole batch
+        finite, argmax = torch.isfinite(rows).all(-1).tolist(), rows.argmax(-1).tolist()
         for i, seq in enumerate(self.rows):
             seq.position += 1
-            self._sample(seq, logits[i, -1])
+            self._sample(seq, rows[i], finite[i], argmax[i])
         self._retire()
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Pick the next token of one sequence from its logits (V,) and emit its text."""
+    def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool | None = None,
+                argmax: int | None = None) -> None:
+        """Pick the next token of one sequence from its logits (V,) and emit its text; finite and
+        argmax, when the batch computed them, save doing it again."""
         job = seq.job
         if job.cancelled:
             seq.finished = True
             return
         logits = logits.float()[None]  # (1, V)
-        if not bool(torch.isfinite(logits).all()):
+        if not (bool(torch.isfinite(logits).all()) if finite is None else finite):
             return self._finish(seq, error=f"{NON_FINITE} (at generated token {seq.generated + 1})")
+        plain_greedy = seq.params.greedy and seq.counts is None and seq.params.repetition_penalty == 1.0
         if seq.counts is not None:
             logits = logits - job.frequency_penalty * seq.counts - job.presence_penalty * (seq.counts > 0).float()
         try:
-            token = int(next_token(logits, seq.params, seq.seen, seq.generator)[0])
+            token = argmax if plain_greedy and argmax is not None else \
+                int(next_token(logits, seq.params, seq.seen, seq.generator)[0])
         except QliteError as e:
             return self._finish(seq, error=str(e))
         seq.generated += 1

@@ -1,0 +1,71 @@
+"""The decoding kernels side by side, one process: for each demo-model shape and row count, qlite's
+integer-activation product (native.gemv_vnni), its bf16-activation product (native.gemv_int4 /
+gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
+three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head).
+
+    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2]
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import click
+import torch
+import torch.nn.functional as F
+
+from qlite import native
+from qlite.formats import Int4, Int8
+
+SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder linears and lm_head
+    ("gate_up int4-g128", Int4(128), 9728, 896),
+    ("down int4-g128", Int4(128), 896, 4864),
+    ("lm_head int8", Int8(None), 151936, 896),
+]
+
+
+NAMES = ("integer x (vnni)", "bf16 x", "dequantize + matmul")
+
+
+def contenders(stored) -> dict:
+    """NAMES -> a function of x (M, K) for this weight."""
+    q, s, z = stored["qweight"], stored["scales"], stored.get("zeros")
+    if z is None:
+        funcs = (lambda x: native.gemv_vnni(x, q, s, None, None), lambda x: native.gemv_int8(x, q, s, None),
+                 lambda x: F.linear(x, native.dequantize_int8(q, s)))
+    else:
+        funcs = (lambda x: native.gemv_vnni(x, q, s, z, None), lambda x: native.gemv_int4(x, q, s, z, None),
+                 lambda x: F.linear(x, native.dequantize_int4(q, s, z)))
+    return dict(zip(NAMES, funcs))
+
+
+@click.command()
+@click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
+@click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
+@click.option("--threads", type=int, default=2, show_default=True)
+def main(rows, calls, threads):
+    if not native.vnni_ready():
+        raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16")
+    torch.set_num_threads(threads)
+    print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
+    print("|---|---|---|---|---|---|")
+    for name, fmt, N, K in SHAPES:
+        stored = fmt.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
+        funcs = contenders(stored)
+        for M in (int(r) for r in rows.split(",")):
+            x = torch.randn(M, K).bfloat16()
+            times = {k: [] for k in funcs}
+            for f in funcs.values():
+                f(x)  # warm up
+            for _ in range(calls if N < 100_000 else max(3, calls // 6)):
+                for k, f in funcs.items():
+                    t = time.perf_counter()
+                    f(x)
+                    times[k].append(1e3 * (time.perf_counter() - t))
+            cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]
+            ratio = statistics.median(times["bf16 x"]) / statistics.median(times["integer x (vnni)"])
+            print(f"| {name} {N}x{K} | {M} | {' | '.join(cells)} | {ratio:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
