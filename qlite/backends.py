@@ -6,7 +6,7 @@ decoder calls. The model math itself (model.py) never asks which backend it runs
 |------------|---------------------------------------------------------|----------------|------------------|
 | reference  | dequantize + F.linear                                   | torch          | torch            |
 | aten       | torch's int8/int4 CPU kernels                           | torch          | torch            |
-| native     | qlite's C kernels, decoding with int8 activations where the CPU (VNNI) and the groups allow, else as native-a16 | qlite's C GEMV | qlite's C ops |
+| native     | qlite's C kernels, decoding with integer activations where the CPU (VNNI) and the groups allow, else as native-a16 | qlite's C GEMV | qlite's C ops |
 | native-a16 | qlite's C kernels, activations bf16 (the stored weights' exact products) | qlite's C GEMV | qlite's C ops |
 | bnb        | bitsandbytes' nf4 / LLM.int8                            | torch          | torch            |
 | auto       | native, else aten, else bnb, else reference, per layer  | native if it can | native if it can |

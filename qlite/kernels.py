@@ -9,8 +9,9 @@ needs and is called with the activations. backends.py says which kernels a backe
 - native (CPU with AVX-512 BF16): qlite's own kernels (native.py) on the canonical buffers as stored:
   a matrix-vector product for decoding (up to MAX_ROWS rows), and for more rows (prefill) the weight
   dequantized to bf16 and one bf16 matmul. No copy, so memory holds the checkpoint's bytes.
-- vnni (CPU with AVX-512 VNNI too): the same, but the decoding product quantizes the activations to
-  int8 per 128 inputs and multiplies in integers, as llama.cpp does (up to VNNI_MAX_ROWS rows).
+- vnni (CPU with AVX-512 VNNI too): the same, but the decoding product quantizes the activations
+  (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
+  as llama.cpp does (up to VNNI_MAX_ROWS rows).
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -154,8 +155,8 @@ def _vnni_fits(layer) -> bool:
 
 
 class VnniInt8(NativeInt8):
-    """NativeInt8 with the activations quantized to int8 (per 128 inputs) for its few-row products:
-    integer dot products (AVX-512 VNNI), llama.cpp's numerics; cheaper per row, so more rows pay."""
+    """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
+    products (AVX-512 VNNI); cheaper per row, so more rows pay."""
     name = "vnni-int8"
     max_rows = native.VNNI_MAX_ROWS
 
@@ -169,7 +170,7 @@ class VnniInt8(NativeInt8):
 
 
 class VnniInt4(NativeInt4):
-    """The same for int4 weights."""
+    """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks)."""
     name = "vnni-int4"
     max_rows = native.VNNI_MAX_ROWS
     gemv = staticmethod(native.gemv_vnni)

@@ -23,8 +23,8 @@ SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
 MAX_GROUPS = 1024  # kernels.c's MAX_GROUPS
-VNNI_MAX_ROWS = 16  # the int8-activation kernels beat dequantize + bf16 matmul up to about this many
-CHUNK = 128  # kernels.c's CHUNK: the int8-activation kernels quantize x per this many inputs
+VNNI_MAX_ROWS = 16  # the integer-activation kernels beat dequantize + bf16 matmul up to about this many
+CHUNK = 128  # kernels.c's CHUNK: the integer-activation kernels take x and the groups in whole chunks
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
@@ -70,7 +70,8 @@ def library() -> ctypes.CDLL | None:
     if lib.qlite_gemv_abi() != 1:
         return None
     for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
+        if hasattr(lib, name):  # qlite_gemv_vnni exists only where the CPU has AVX-512 VNNI
+            getattr(lib, name).argtypes = argtypes
     return lib
 
 
@@ -166,7 +167,7 @@ def _check_int4(qweight, scales, zeros) -> None:
 
 
 def vnni_ready() -> bool:
-    """Whether the int8-activation kernels (AVX-512 VNNI) were built for this CPU."""
+    """Whether the integer-activation kernels (AVX-512 VNNI) were built for this CPU."""
     return library() is not None and library().qlite_vnni_abi() == 1
 
 
@@ -176,8 +177,8 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
 
 
 def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
-    """gemv_int8 / gemv_int4 (zeros None for int8) with x quantized to int8 per CHUNK of inputs
-    (absmax / 127, one fp32 scale each) and integer dot products: llama.cpp's numerics, not exact."""
+    """gemv_int8 / gemv_int4 (zeros None for int8) with x quantized first (int16 for int8 weights, int8
+    for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_int4(qweight, scales, zeros) if int4 else _check_int8(qweight, scales)
