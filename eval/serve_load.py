@@ -1,11 +1,13 @@
 """Load on `qlite serve`: concurrent streaming clients, bounded in requests and time.
 
-    python -m eval.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--markdown F]
+    python -m eval.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--rounds 3] [--markdown F]
     python -m eval.serve_load -m DIR --soak [--requests 200]
 
 Starts the server (a subprocess, 2 threads unless --threads), waits for /health, then per client
 count runs that many clients, each streaming chat completions of different prompts one after
-another until --requests are done: aggregate decode rate = completion tokens / wall time. --soak:
+another until --requests are done: aggregate decode rate = completion tokens / wall time. --rounds
+repeats the client counts in turn (so drift in the machine's speed hits them alike) and reports the
+median (min-max) rate and ratio to 1 client over the rounds. --soak:
 8 clients, random max_tokens, some clients leaving mid-stream and some bad requests; checks every
 good request is answered, every bad one gets its 400, and the server's memory returns to its idle
 level; then Ctrl-C, which must exit 130.
@@ -179,9 +181,10 @@ def health(port: int) -> dict:
 @click.option("--max-batch", default=16, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--time-limit", default=600.0, show_default=True, help="seconds per client count")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(1, 10))
 @click.option("--soak", "soak_mode", is_flag=True)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
-def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, soak_mode, md_path):
+def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, md_path):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "qlite", "serve", "-m", str(model_dir), "--port", str(port),
                                "--max-batch", str(max_batch), "--threads", str(threads), "--ctx", "2048"])
@@ -216,14 +219,23 @@ def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limi
             if tally["other"]:
                 lines.append(f"unanswered: {tally['other'][:3]}")
         else:
-            rows = [run_clients(port, int(c), requests, max_tokens, time.time() + time_limit)
-                    for c in clients.split(",")]
-            base = rows[0]["tokens_per_s"]
-            lines += ["| clients | requests | completion tokens | seconds | aggregate tokens/s | vs 1 client | "
-                      "median time to first token (s) |", "|---|---|---|---|---|---|---|"]
-            for r in rows:
-                lines.append(f"| {r['clients']} | {r['requests']} | {r['tokens']} | {r['seconds']:.1f} | "
-                             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['ttft_median_s']:.2f} |")
+            counts = [int(c) for c in clients.split(",")]
+            runs = [[run_clients(port, c, requests, max_tokens, time.time() + time_limit) for c in counts]
+                    for _ in range(rounds)]  # runs[round][count]
+
+            def spread(values, fmt):
+                text = fmt.format(statistics.median(values))
+                return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+            lines += [f"{rounds} round(s); median (min-max) over the rounds",
+                      "| clients | requests | completion tokens | aggregate tokens/s | vs 1 client | "
+                      "median time to first token (s) |", "|---|---|---|---|---|---|"]
+            for i, c in enumerate(counts):
+                rates = [run[i]["tokens_per_s"] for run in runs]
+                ratios = [run[i]["tokens_per_s"] / run[0]["tokens_per_s"] for run in runs]
+                ttft = statistics.median(run[i]["ttft_median_s"] or float("nan") for run in runs)
+                lines.append(f"| {c} | {runs[0][i]['requests']} | {runs[0][i]['tokens']} | {spread(rates, '{:.1f}')} | "
+                             f"{spread(ratios, '{:.2f}x')} | {ttft:.2f} |")
             lines.append(f"\nserver RSS idle {idle:.0f} MiB, after the runs {rss_mib(server.pid):.0f} MiB")
         server.send_signal(signal.SIGINT)
         rc = server.wait(120)

@@ -44,13 +44,21 @@ class NativeOps(TorchOps):
 
     @staticmethod
     def attention(qkv, step: Step, attn):
-        """One token of one sequence with a bf16 cache: rotary, cache write and attention in one call."""
+        """One new token per row with a bf16 cache (plain, or left-padded rows): rotary, cache write and
+        attention in one call."""
         B, T, _ = qkv.shape
-        if B == 1 and T == 1 and step.mask is None and step.cache is not None and native.bf16_ready(step.cache.k):
-            k, v = step.cache.k[attn.layer_idx][0], step.cache.v[attn.layer_idx][0]  # (n_kv, capacity, head_dim)
-            y = native.decode_attention(qkv, step.cos, step.sin, k, v, attn.n_head, step.start)
+        if T == 1 and step.cache is not None and (step.mask is None or step.key_starts is not None) \
+                and native.bf16_ready(step.cache.k):
+            k, v = step.cache.k[attn.layer_idx], step.cache.v[attn.layer_idx]  # (B, n_kv, capacity, head_dim)
+            y = native.decode_attention(qkv.view(B, -1), step.cos.reshape(B, -1), step.sin.reshape(B, -1), k, v,
+                                        attn.n_head, step.start, step.key_starts)
             return y.view(B, T, -1)
         return TorchOps.attention(qkv, step, attn)
+
+    @staticmethod
+    def argmax_rows(logits):
+        """One pass over bf16 logits, no float32 copy."""
+        return native.argmax(logits) if native.argmax_ready(logits) else TorchOps.argmax_rows(logits)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Continuous batching: one thread owns the model; every decode step runs all active sequences at
 once (one forward, each sequence with its own position, sampling settings and random generator),
-new sequences are prefilled alone and join between steps, finished or abandoned ones leave.
+new sequences are prefilled together (one left-padded forward for those waiting, bounded by
+PREFILL_TOKENS) and join between steps, finished or abandoned ones leave.
 
 The KV cache is allocated once for --max-batch rows of --ctx tokens, so a full server queues (and
 past --max-queue refuses) but never grows. Rows share one write index t, as in generate_tokens'
@@ -9,7 +10,7 @@ each row's new token at t. A sequence joining with L prompt tokens is placed at 
 cache shifted right first if t < L); when t reaches the end, all rows shift left by the smallest
 start. Active rows are rows 0..B-1 (a leaving row is replaced by the last one), so a step's cache is
 a view of the first B rows. One active row alone is kept at start 0, so it takes the same path as
-`qlite generate` (native single-sequence attention).
+`qlite generate` (no mask).
 """
 from __future__ import annotations
 
@@ -21,10 +22,29 @@ from typing import Callable
 import torch
 
 from .errors import QliteError
-from .generate import NON_FINITE, SamplingParams, StopText, next_token
+from .generate import NON_FINITE, SamplingParams, StopText, left_padded, next_token
 from .memory import release_freed_memory
 
+PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (longest) stays within this
+
 Event = tuple  # ("start", prompt_tokens) | ("text", piece) | ("done", finish_reason, completion_tokens) | ("error", msg)
+
+
+def prefill_groups(ready: list[tuple]) -> list[list[tuple]]:
+    """Split (job, ids, max_tokens) in arrival order into groups that prefill as one padded batch:
+    a group grows while its size times its longest prompt stays within PREFILL_TOKENS (so padding
+    and activations stay bounded); a longer prompt goes alone."""
+    groups: list[list[tuple]] = []
+    longest = 0
+    for item in ready:
+        L = len(item[1])
+        if groups and max(longest, L) * (len(groups[-1]) + 1) <= PREFILL_TOKENS:
+            groups[-1].append(item)
+            longest = max(longest, L)
+        else:
+            groups.append([item])
+            longest = L
+    return groups
 
 
 @dataclass
@@ -120,12 +140,14 @@ class Engine:
         for seq in self.rows:
             seq.job.emit(("error", "the server is shutting down"))
 
-    def _next_job(self) -> Job | None:
+    def _next_job(self, admitted: int) -> Job | None:
         with self.wake:
-            return self.waiting.popleft() if self.waiting and len(self.rows) < self.max_batch else None
+            return self.waiting.popleft() if self.waiting and len(self.rows) + admitted < self.max_batch else None
 
     def _admit(self) -> None:
-        while (job := self._next_job()) is not None:
+        """Take waiting jobs while rows are free; prefill them in groups (one forward per group)."""
+        ready: list[tuple[Job, list[int], int]] = []
+        while (job := self._next_job(len(ready))) is not None:
             if job.cancelled:
                 continue
             try:
@@ -142,22 +164,31 @@ class Engine:
                 job.emit(("error", str(e)))
                 continue
             job.emit(("start", len(ids)))
-            self._prefill(job, ids, job.max_tokens or room)
+            ready.append((job, ids, job.max_tokens or room))
+        for group in prefill_groups(ready):
+            self._prefill(group)
 
-    def _prefill(self, job: Job, ids: list[int], max_tokens: int) -> None:
-        model, L = self.lm.model, len(ids)
-        params = replace(job.params, max_new_tokens=max_tokens)
-        seq = Sequence(job, params, StopText(self.lm.tokenizer, params.stop), position=L)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=model.device).manual_seed(params.seed)
-        vocab = model.config.vocab_size
-        if params.repetition_penalty != 1.0:
-            seq.seen = torch.zeros((1, vocab), dtype=torch.bool, device=model.device)
-            seq.seen[0, torch.tensor(ids, device=model.device)] = True
-        if job.presence_penalty or job.frequency_penalty:
-            seq.counts = torch.zeros(vocab, device=model.device)
-        alone = model.new_cache(1, L)
-        logits = model(torch.tensor([ids], device=model.device), alone, last_only=True)
+    def _prefill(self, group: list[tuple[Job, list[int], int]]) -> None:
+        """Prefill new sequences as one left-padded batch, then place them in the free rows: each
+        row's tokens at [t - L_i, t) of the shared cache."""
+        model, dev, vocab = self.lm.model, self.lm.model.device, self.lm.model.config.vocab_size
+        seqs = []
+        for job, ids, max_tokens in group:
+            params = replace(job.params, max_new_tokens=max_tokens)
+            seq = Sequence(job, params, StopText(self.lm.tokenizer, params.stop), position=len(ids))
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=dev).manual_seed(params.seed)
+            if params.repetition_penalty != 1.0:
+                seq.seen = torch.zeros((1, vocab), dtype=torch.bool, device=dev)
+                seq.seen[0, torch.tensor(ids, device=dev)] = True
+            if job.presence_penalty or job.frequency_penalty:
+                seq.counts = torch.zeros(vocab, device=dev)
+            seqs.append(seq)
+        n, L = len(group), max(len(ids) for _, ids, _ in group)
+        ids, mask, positions = left_padded([ids for _, ids, _ in group], L, device=dev)
+        alone = model.new_cache(n, L)
+        padded = not bool(mask.all())
+        logits = model(ids, alone, positions, mask if padded else None, last_only=True)
         B, t = len(self.rows), self.cache.length
         if B == 0:
             t = self.cache.length = 0
@@ -166,12 +197,14 @@ class Engine:
             t = L
         if t >= self.ctx:
             t = self._compact()
-        self.cache.k[:, B, :, t - L:t] = alone.k[:, 0, :, :L]
-        self.cache.v[:, B, :, t - L:t] = alone.v[:, 0, :, :L]
-        self.key_mask[B] = False
-        self.key_mask[B, t - L:t] = True
-        self.rows.append(seq)
-        self._sample(seq, logits[0, -1])
+        self.cache.k[:, B:B + n, :, t - L:t] = alone.k[:, :, :, :L]
+        self.cache.v[:, B:B + n, :, t - L:t] = alone.v[:, :, :, :L]
+        self.key_mask[B:B + n] = False
+        self.key_mask[B:B + n, t - L:t] = mask
+        self.rows.extend(seqs)
+        argmax, finite = self.lm.model.ops.argmax_rows(logits[:, -1])
+        for i, seq in enumerate(seqs):
+            self._sample(seq, logits[i, -1], finite[i], argmax[i])
         self._retire()
 
     def _step(self) -> None:
@@ -188,32 +221,32 @@ class Engine:
         view = self.cache.first_rows(B)
         logits = self.lm.model(ids, view, positions, None if plain else self.key_mask[:B, :t + 1], last_only=True)
         self.cache.length = t + 1
-        rows = logits[:, -1].float()  # (B, V): one conversion, finiteness check and argmax for the whole batch
-        finite, argmax = torch.isfinite(rows).all(-1).tolist(), rows.argmax(-1).tolist()
+        rows = logits[:, -1]  # (B, V)
+        argmax, finite = self.lm.model.ops.argmax_rows(rows)
         for i, seq in enumerate(self.rows):
             seq.position += 1
             self._sample(seq, rows[i], finite[i], argmax[i])
         self._retire()
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool | None = None,
-                argmax: int | None = None) -> None:
-        """Pick the next token of one sequence from its logits (V,) and emit its text; finite and
-        argmax, when the batch computed them, save doing it again."""
+    def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool, argmax: int) -> None:
+        """Pick the next token of one sequence from its logits (V,) (finite and argmax: what
+        ops.argmax_rows found for them) and emit its text."""
         job = seq.job
         if job.cancelled:
             seq.finished = True
             return
-        logits = logits.float()[None]  # (1, V)
-        if not (bool(torch.isfinite(logits).all()) if finite is None else finite):
+        if not finite:
             return self._finish(seq, error=f"{NON_FINITE} (at generated token {seq.generated + 1})")
-        plain_greedy = seq.params.greedy and seq.counts is None and seq.params.repetition_penalty == 1.0
-        if seq.counts is not None:
-            logits = logits - job.frequency_penalty * seq.counts - job.presence_penalty * (seq.counts > 0).float()
-        try:
-            token = argmax if plain_greedy and argmax is not None else \
-                int(next_token(logits, seq.params, seq.seen, seq.generator)[0])
-        except QliteError as e:
-            return self._finish(seq, error=str(e))
+        if seq.params.greedy and seq.counts is None and seq.params.repetition_penalty == 1.0:
+            token = argmax
+        else:
+            logits = logits.float()[None]  # (1, V)
+            if seq.counts is not None:
+                logits = logits - job.frequency_penalty * seq.counts - job.presence_penalty * (seq.counts > 0).float()
+            try:
+                token = int(next_token(logits, seq.params, seq.seen, seq.generator)[0])
+            except QliteError as e:
+                return self._finish(seq, error=str(e))
         seq.generated += 1
         seq.token = token
         if seq.seen is not None:

@@ -93,6 +93,19 @@ def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor 
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def left_padded(prompts: list[list[int]], capacity: int, pad_id: int = 0, device="cpu"):
+    """Prompts as one batch, padded on the left to the longest (L): ids (B, L), key_mask (B, capacity)
+    True at real tokens, positions (B, L) counting each row's real tokens from 0."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    key_mask = torch.zeros((B, capacity), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, L - len(p):] = torch.tensor(p)
+        key_mask[row, L - len(p):L] = True
+    positions = (key_mask[:, :L].long().cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), key_mask.to(device), positions.to(device)
+
+
 @torch.inference_mode()
 def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos_ids,
                     pad_id: int = 0) -> Iterator[torch.Tensor]:
@@ -107,14 +120,8 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
         raise QliteError(f"prompt is {L} tokens, the model's context is {context}")
     capacity = min(context, L + params.max_new_tokens)
     dev = model.device
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    key_mask = torch.zeros((B, capacity), dtype=torch.bool)
-    for row, p in enumerate(prompts):
-        ids[row, L - len(p):] = torch.tensor(p)
-        key_mask[row, L - len(p):L] = True
-    ids, key_mask = ids.to(dev), key_mask.to(dev)
+    ids, key_mask, positions = left_padded(prompts, capacity, pad_id, dev)
     padded = not bool(key_mask[:, :L].all())
-    positions = (key_mask[:, :L].long().cumsum(-1) - 1).clamp(min=0)  # (B, L): real tokens count from 0
     seen = None
     if params.repetition_penalty != 1.0:
         counts = torch.zeros((B, model.config.vocab_size), dtype=torch.long, device=dev)
@@ -129,9 +136,11 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
     logits = model(ids, cache, positions, key_mask[:, :L] if padded else None, last_only=True)
     next_pos = positions[:, -1:] + 1  # (B, 1)
     for step in range(capacity - L):
-        if not bool(torch.isfinite(logits[:, -1]).all()):
+        top, finite = model.ops.argmax_rows(logits[:, -1])
+        if not all(finite):
             raise QliteError(f"{NON_FINITE} (at generated token {step + 1})")
-        token = next_token(logits[:, -1].float(), params, seen, generator)
+        token = torch.tensor(top, device=dev) if params.greedy and seen is None else \
+            next_token(logits[:, -1].float(), params, seen, generator)
         token = token.masked_fill(finished, pad_id)
         yield token
         finished |= torch.isin(token, eos)

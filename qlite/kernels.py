@@ -7,11 +7,12 @@ needs and is called with the activations. backends.py says which kernels a backe
   float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
   (a copy of the weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
 - native (CPU with AVX-512 BF16): qlite's own kernels (native.py) on the canonical buffers as stored:
-  a matrix-vector product for decoding (up to MAX_ROWS rows), and for more rows (prefill) the weight
-  dequantized to bf16 and one bf16 matmul. No copy, so memory holds the checkpoint's bytes.
+  a matrix-vector product for decoding (up to MAX_ROWS rows per sequence, any number of sequences),
+  and for more rows (prefill) the weight dequantized to bf16 and bf16 matmuls (bucketed_linear). No
+  copy, so memory holds the checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI too): the same, but the decoding product quantizes the activations
   (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
-  as llama.cpp does (up to VNNI_MAX_ROWS rows).
+  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence).
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -95,6 +96,24 @@ class AtenInt4:
         return _bias(y[:, :N].to(x.dtype).reshape(*x.shape[:-1], N), self.bias)
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a bf16 matmul of `rows` rows runs at: a multiple of 16, and past 256 rows of an
+    eighth of the power of two below: at most 12.5% or 15 rows of padding, 48 shapes up to 4096 rows."""
+    step = max(16, 1 << max(0, rows.bit_length() - 4))  # rows in [2^k, 2^(k+1)): 2^(k-3)
+    return -(-rows // step) * step
+
+
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with x's rows zero-padded up to row_bucket. oneDNN compiles a bf16 matmul per row
+    count and keeps each (~0.75 MB, up to 1024 of them): with every prefill length its own shape, a
+    server's memory grew by ~2.5 MB per new prompt length, without bound in practice."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    M, bucket = rows.shape[0], row_bucket(rows.shape[0])
+    if bucket != M:
+        rows = torch.cat([rows, rows.new_zeros(bucket - M, rows.shape[1])])
+    return F.linear(rows, weight, bias)[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
 _scratch = threading.local()
 SCRATCH_MAX = 128 * 2**20  # elements: the largest bf16 weight kept for reuse between calls (256 MB)
 
@@ -111,9 +130,16 @@ def dequantize_buffer(N: int, K: int) -> torch.Tensor:
     return buf[:N * K].view(N, K)
 
 
+def sequence_rows(x: torch.Tensor) -> int:
+    """The rows of one sequence in x (B, T, in) or (T, in): the native kernels choose their path by
+    it, not by B x T, so a sequence's numbers never depend on the sequences batched with it."""
+    return x.shape[-2] if x.dim() > 1 else 1
+
+
 class _Native:
-    """Up to max_rows rows: the kernel's matrix-vector product; more: the weight dequantized to
-    bf16 (into dequantize_buffer) for this call only, and one bf16 matmul."""
+    """Up to max_rows rows per sequence: the kernel's matrix-vector product (over all B x T rows);
+    more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one bf16
+    matmul."""
     max_rows = native.MAX_ROWS
 
     def __init__(self, layer):
@@ -122,10 +148,10 @@ class _Native:
         self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def __call__(self, x):
-        if x.numel() // self.in_features <= self.max_rows:
+        if sequence_rows(x) <= self.max_rows:
             return self.gemv(x, *self.stored, self.bias32).to(x.dtype)
         weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
-        return _bias(F.linear(x.to(torch.bfloat16), weight).to(x.dtype), self.bias)
+        return _bias(bucketed_linear(x.to(torch.bfloat16), weight).to(x.dtype), self.bias)
 
 
 class NativeInt8(_Native):
@@ -181,7 +207,7 @@ class VnniInt4(NativeInt4):
 
 
 class NativeBf16:
-    """A 16-bit Linear's few-row products with a bf16 CPU weight, through native.gemv_bf16."""
+    """A 16-bit Linear's few-row products (per sequence) with a bf16 CPU weight, through native.gemv_bf16."""
     name = "native-bf16"
 
     @staticmethod
@@ -194,9 +220,9 @@ class NativeBf16:
         self.weight, self.bias, self.bias32 = layer.weight, layer.bias, native.float_bias(layer.bias)
 
     def __call__(self, x):
-        if x.numel() // self.weight.shape[1] <= native.MAX_ROWS:
+        if sequence_rows(x) <= native.MAX_ROWS:
             return native.gemv_bf16(x, self.weight, self.bias32).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return bucketed_linear(x, self.weight, self.bias)
 
 
 class BnbNF4:

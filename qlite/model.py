@@ -63,12 +63,14 @@ def make_linear(cfg: Qwen2Config, prefix: str, in_features: int, parts: dict[str
 @dataclass
 class Step:
     """What every layer of one forward shares: rotary cos/sin (float32, (B, 1, T, head_dim)), the KV
-    cache (None: no cache), the attention mask (None: plain causal), and where the new tokens start."""
+    cache (None: no cache), the attention mask (None: plain causal), where the new tokens start, and
+    for one new token per row of a padded batch, where each row's keys start (`key_starts`)."""
     cos: torch.Tensor
     sin: torch.Tensor
     cache: "KVCache | None"
     mask: torch.Tensor | None
     start: int
+    key_starts: torch.Tensor | None = None
 
 
 class TorchOps:
@@ -102,6 +104,12 @@ class TorchOps:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None and T > 1,
                                            enable_gqa=n_kv != n_head)
         return y.transpose(1, 2).reshape(B, T, n_head * hd)  # (B, T, hidden)
+
+    @staticmethod
+    def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Per row of logits (B, V): the index of the largest, and whether all are finite."""
+        rows = logits.float()
+        return rows.argmax(-1).tolist(), torch.isfinite(rows).all(-1).tolist()
 
 
 class RMSNorm(nn.Module):
@@ -252,7 +260,18 @@ def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device) ->
     return allowed[:, None]  # (B, 1, T, S)
 
 
+def key_starts(key_mask: torch.Tensor) -> torch.Tensor | None:
+    """(B,) where each row's real tokens start, when in every row they are one run up to the last
+    column (left padding, as generate and the server keep them); None otherwise."""
+    S = key_mask.shape[1]
+    starts = S - key_mask.sum(-1)  # (B,)
+    run = torch.arange(S, device=key_mask.device)[None, :] >= starts[:, None]  # (B, S)
+    return starts if bool((run == key_mask).all()) else None
+
+
 class Qwen2ForCausalLM(nn.Module):
+    ops = TorchOps  # for what decoding does with the logits (argmax_rows)
+
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.config = cfg
@@ -286,7 +305,8 @@ class Qwen2ForCausalLM(nn.Module):
             cache.reserve(start + T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start)
+        step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start,
+                    key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         for layer in self.model.layers:
             x = layer(x, step)

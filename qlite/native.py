@@ -36,7 +36,8 @@ SIGNATURES = {
     "qlite_dequantize_int4": [_P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
-    "qlite_decode_attention": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _I],
+    "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _P, _I],
+    "qlite_argmax_bf16": [_P, _L, _L, _P, _P],
 }
 
 
@@ -245,22 +246,46 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
-                     cache_v: torch.Tensor, n_head: int, pos: int) -> torch.Tensor:
-    """One token of one sequence: rotary q and k (cos/sin float32 [head_dim]), k and v stored at `pos`
-    of the caches (bf16 [n_kv, capacity, head_dim]), attention over 0..pos. Returns bf16 [n_head * head_dim]."""
-    n_kv, capacity, hd = cache_k.shape
+                     cache_v: torch.Tensor, n_head: int, pos: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token of each of B sequences: rotary q and k (cos/sin float32 [B, head_dim]), k and v
+    stored at `pos` of the row's caches (bf16 [B, n_kv, capacity, head_dim], each row contiguous),
+    attention over the row's positions starts[b]..pos (int64 [B]; None: from 0). qkv: bf16 [B, q|k|v].
+    Returns bf16 [B, n_head * head_dim]."""
+    B, n_kv, capacity, hd = cache_k.shape
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    _check(cache_k, torch.bfloat16, (n_kv, capacity, hd), "cache_k")
-    _check(cache_v, torch.bfloat16, (n_kv, capacity, hd), "cache_v")
-    _check(qkv, torch.bfloat16, tuple(qkv.shape), "qkv")
-    _check_rule(qkv.numel() == (n_head + 2 * n_kv) * hd and n_head % n_kv == 0 and hd % 32 == 0,
-                f"qkv of {qkv.numel()} for {n_head} + 2 x {n_kv} heads of {hd}")
+    for cache, name in ((cache_k, "cache_k"), (cache_v, "cache_v")):
+        _check_rule(cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+                    and cache.shape == (B, n_kv, capacity, hd) and cache.stride()[1:] == (capacity * hd, hd, 1)
+                    and cache.stride(0) == cache_k.stride(0),
+                    f"{name} {tuple(cache.shape)} {cache.dtype}: want bf16 rows of [{n_kv}, {capacity}, {hd}]")
+    _check(qkv, torch.bfloat16, (B, (n_head + 2 * n_kv) * hd), "qkv")
+    _check_rule(n_head % n_kv == 0 and hd % 32 == 0, f"{n_head} heads over {n_kv} of {hd}")
     for t, name in ((cos, "cos"), (sin, "sin")):
-        _check(t, torch.float32, tuple(t.shape), name)
-        _check_rule(t.numel() == hd, f"{name} holds {t.numel()} values, head_dim is {hd}")
+        _check(t, torch.float32, (B, hd), name)
     _check_rule(0 <= pos < capacity, f"position {pos} outside a cache of {capacity}")
-    out = torch.empty(n_head * hd, dtype=torch.bfloat16)
-    library().qlite_decode_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
-                                     cache_v.data_ptr(), n_head, n_kv, hd, capacity, pos, out.data_ptr(),
-                                     torch.get_num_threads())
+    if starts is not None:
+        starts = starts.contiguous()
+        _check(starts, torch.int64, (B,), "starts")
+        _check_rule(bool(((starts >= 0) & (starts <= pos)).all()), f"starts outside 0..{pos}")
+    out = torch.empty(B, n_head * hd, dtype=torch.bfloat16)
+    library().qlite_decode_attention(qkv.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
+                                     cache_v.data_ptr(), cache_k.stride(0),
+                                     None if starts is None else starts.data_ptr(), n_head, n_kv, hd, capacity,
+                                     pos, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def argmax_ready(logits: torch.Tensor) -> bool:
+    return logits.dim() == 2 and logits.shape[-1] % 16 == 0 and bf16_ready(logits[:, :32])
+
+
+def argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Per row of bf16 logits (B, V): the index of the largest (the first of equals, as torch.argmax)
+    and whether all are finite, in one pass without a float32 copy."""
+    logits = logits.contiguous()
+    B, V = logits.shape
+    _check(logits, torch.bfloat16, (B, V), "logits")
+    _check_rule(V % 16 == 0, f"rows {V} wide, not a multiple of 16")
+    top, finite = torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.uint8)
+    library().qlite_argmax_bf16(logits.data_ptr(), B, V, top.data_ptr(), finite.data_ptr())
+    return top.tolist(), finite.bool().tolist()

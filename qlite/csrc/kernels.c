@@ -449,26 +449,32 @@ static inline void rope(const uint16_t *x, const float *cos, const float *sin, l
     }
 }
 
-/* One new token of one sequence: rotate q and k (cos/sin of its position, fp32 [hd]), store k and v at
- * position pos of the caches (bf16 [n_kv, capacity, hd]), attend over positions 0..pos; out: bf16
- * [n_head * hd]. qkv: bf16 [(n_head + 2 n_kv) * hd], the fused projection's output. hd % 32 == 0. */
-void qlite_decode_attention(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *cache_k,
-                            uint16_t *cache_v, long n_head, long n_kv, long hd, long capacity, long pos,
-                            uint16_t *out, int threads) {
-    long rep = n_head / n_kv, S = pos + 1;
-    const uint16_t *q = qkv, *k = qkv + n_head * hd, *v = k + n_kv * hd;
+/* One new token of each of B sequences: rotate q and k (cos/sin of the row's position, fp32 [B, hd]),
+ * store k and v at position pos of the row's caches (bf16 [n_kv, capacity, hd], rows row_stride
+ * apart), attend over the row's positions starts[b]..pos (starts NULL: 0..pos); out: bf16
+ * [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output. hd % 32 == 0.
+ * A row's result depends only on its own keys: the same numbers at any offset, in any batch. */
+void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint16_t *cache_k,
+                            uint16_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
+                            long hd, long capacity, long pos, uint16_t *out, int threads) {
+    long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd;
     float scale = 1.f / __builtin_sqrtf((float)hd);
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long b = 0; b < B; b++)
     for (long h = 0; h < n_kv; h++) {
-        uint16_t *K = cache_k + h * capacity * hd, *V = cache_v + h * capacity * hd;
+        long first = starts ? starts[b] : 0, S = pos + 1 - first;
+        const uint16_t *q = qkv + b * width, *k = q + n_head * hd, *v = k + n_kv * hd;
+        const float *cb = cos + b * hd, *sb = sin + b * hd;
+        uint16_t *K = cache_k + b * row_stride + h * capacity * hd, *V = cache_v + b * row_stride + h * capacity * hd;
         float *buf = malloc(sizeof(float) * (rep * S + hd));
         float *kr = buf + rep * S, *scores = buf;
-        rope(k + h * hd, cos, sin, hd, 1.f, kr);
+        rope(k + h * hd, cb, sb, hd, 1.f, kr);
         for (long i = 0; i < hd; i++) { K[pos * hd + i] = f32_to_bf16(kr[i]); V[pos * hd + i] = v[h * hd + i]; }
+        K += first * hd, V += first * hd;
         for (long j = 0; j < rep; j++) {
             long qh = h * rep + j;
             float qr[hd];
-            rope(q + qh * hd, cos, sin, hd, scale, qr);
+            rope(q + qh * hd, cb, sb, hd, scale, qr);
             float *sc = scores + j * S, mx = -INFINITY;
             for (long s = 0; s < S; s++) {
                 __m512 acc = _mm512_setzero_ps();
@@ -497,9 +503,36 @@ void qlite_decode_attention(const uint16_t *qkv, const float *cos, const float *
                 _mm512_storeu_ps(o + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
             }
             for (long i = 0; i < hd; i += 16)
-                _mm256_storeu_si256((__m256i *)(out + qh * hd + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + i)));
+                _mm256_storeu_si256((__m256i *)(out + (b * n_head + qh) * hd + i),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + i)));
         }
         free(buf);
+    }
+}
+
+/* Per row of bf16 logits (n wide, n % 16 == 0): the index of the largest value (the first of equal
+ * ones, as torch.argmax) and whether every value is finite; one pass, nothing converted. */
+void qlite_argmax_bf16(const uint16_t *x, long rows, long n, int64_t *argmax, uint8_t *finite) {
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i best_at = _mm512_set1_epi32(-1);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i exponent = _mm512_set1_epi32(0x7f800000), bad = _mm512_setzero_si512();
+        for (long i = 0; i < n; i += 16) {
+            __m512 v = load_bf16(xr + i);
+            bad = _mm512_or_si512(bad, _mm512_maskz_mov_epi32(
+                _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent), exponent));
+            __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, more, v);
+            best_at = _mm512_mask_mov_epi32(best_at, more, at);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+        float top = _mm512_reduce_max_ps(best);
+        __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        int first = _mm512_mask_reduce_min_epi32(tops, best_at);
+        argmax[r] = first < 0 ? 0 : first;  /* every value NaN or -inf: not finite anyway */
+        finite[r] = !_mm512_test_epi32_mask(bad, bad);
     }
 }
 #endif

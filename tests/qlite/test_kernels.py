@@ -6,7 +6,8 @@ from qlite import native
 from qlite.backends import BACKENDS, choose_kernel
 from qlite.errors import QliteError
 from qlite.formats import Int4, Int8, format_named
-from qlite.kernels import AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeInt4, NativeInt8, Reference, VnniInt4, VnniInt8
+from qlite.kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeInt4, NativeInt8, Reference, VnniInt4,
+                           VnniInt8, row_bucket)
 from qlite.qlinear import QuantLinear
 
 FORMATS = [Int8(), Int4(128), Int4(64, True), Int4(32)]
@@ -34,7 +35,7 @@ def expected_kernel(backend, fmt):
 @pytest.mark.parametrize("backend", ["aten", "native", "native-a16"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [256, 40, 37])  # output widths that are not multiples of 8 or 16
-@pytest.mark.parametrize("rows", [1, 5, 9])  # 2 x 5: VNNI's products, native-a16's prefill; 2 x 9: prefill for all
+@pytest.mark.parametrize("rows", [1, 5, 9, 17])  # per sequence; 9: native-a16's prefill path, 17: prefill for all
 @pytest.mark.parametrize("bias", [True, False])
 def test_fast_kernels_match_reference(backend, fmt, n, rows, bias):
     layer = make_layer(n, 256, fmt, bias)
@@ -54,6 +55,39 @@ def test_fast_kernels_match_reference(backend, fmt, n, rows, bias):
     rel = ((got.float() - expected).norm() / expected.norm()).item()
     assert rel <= 1e-2
     assert torch.equal(layer.dequantize(), make_layer(n, 256, fmt, bias).dequantize())  # canonical buffers kept
+
+
+@pytest.mark.parametrize("backend", ["native", "native-a16"])
+@pytest.mark.parametrize("fmt", [Int8(), Int4(128)], ids=lambda f: f.name)
+def test_native_path_goes_by_rows_per_sequence(backend, fmt):
+    """20 sequences of one token (a decode step of a large batch) take the few-row path, the same as
+    each alone: a sequence's numbers never depend on the others (bitwise)."""
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    layer = make_layer(64, 256, fmt)
+    layer.kernel = choose_kernel(layer, backend)(layer)
+    x = torch.randn(20, 1, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    batch = layer(x)
+    assert all(torch.equal(batch[i], layer(x[i:i + 1])[0]) for i in range(20))
+
+
+def test_prefill_matmuls_run_at_few_row_counts(monkeypatch):
+    """The dequantize + bf16 matmul path pads rows to a bucket (oneDNN keeps a compiled kernel per
+    row count): 48 shapes up to 4096 rows, each within 12.5% of the rows or 15 more; the same results."""
+    assert len({row_bucket(m) for m in range(1, 4097)}) == 48
+    assert all(m <= row_bucket(m) <= max(m + 15, 1.125 * m) and row_bucket(m) % 16 == 0 for m in range(1, 5000))
+    layer = make_layer(64, 256, Int4(128))
+    layer.kernel = choose_kernel(layer, "native-a16")(layer) if native.library() is not None else None
+    if layer.kernel is None:
+        pytest.skip("native kernels unavailable here")
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(30, 13, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = layer(x)  # 13 rows per sequence: past native-a16's few-row path; 390 rows: bucket 416
+    assert seen == [416]
+    want = real(x.reshape(-1, 256), layer.dequantize().bfloat16()).reshape(30, 13, 64) + layer.bias
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("name, kernel", [("nf4-b64", BnbNF4), ("llm.int8", BnbInt8)])

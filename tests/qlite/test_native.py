@@ -126,24 +126,62 @@ def test_rmsnorm_and_silu_mul_match_torch():
     assert_bf16_close(native.silu_mul(x), F.silu(gate) * up)
 
 
+def rope_angles(position: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = position * 1e4 ** (-torch.arange(0, hd, 2) / hd)
+    return torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
+
+
 @pytest.mark.parametrize("n_head, n_kv", [(14, 2), (4, 4)])
 def test_decode_attention_matches_sdpa(n_head, n_kv):
-    hd, capacity, pos = 64, 100, 70
-    qkv = torch.randn((n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
-    cache_k = torch.randn(n_kv, capacity, hd, generator=gen(1)).bfloat16()
-    cache_v = torch.randn(n_kv, capacity, hd, generator=gen(2)).bfloat16()
-    angles = pos * 1e4 ** (-torch.arange(0, hd, 2) / hd)
-    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
-    q, k, v = qkv.float().split([n_head * hd, n_kv * hd, n_kv * hd])
-    q, k = apply_rope(q.view(n_head, 1, hd), cos, sin), apply_rope(k.view(n_kv, 1, hd), cos, sin)
+    """A batch of rows, each with its own position and its own first key (left padding): each row
+    against torch's attention over exactly its keys."""
+    B, hd, capacity, pos = 3, 64, 100, 70
+    starts = torch.tensor([0, 9, 70])  # the last row: its new token only
+    qkv = torch.randn(B, (n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
+    cache_k = torch.randn(B, n_kv, capacity, hd, generator=gen(1)).bfloat16()
+    cache_v = torch.randn(B, n_kv, capacity, hd, generator=gen(2)).bfloat16()
     keys, values = cache_k.float().clone(), cache_v.float().clone()
-    keys[:, pos], values[:, pos] = k[:, 0].bfloat16().float(), v.view(n_kv, hd)
-    want = F.scaled_dot_product_attention(q[None], keys[None, :, :pos + 1], values[None, :, :pos + 1],
-                                          enable_gqa=True)[0].reshape(-1)  # (n_head * hd,)
-    got = native.decode_attention(qkv, cos, sin, cache_k, cache_v, n_head, pos)
-    assert rel_err(got, want) < 1e-2
-    assert torch.equal(cache_k[:, pos].float(), keys[:, pos]) and torch.equal(cache_v[:, pos].float(), values[:, pos])
+    cos, sin = map(torch.stack, zip(*(rope_angles(pos - int(s), hd) for s in starts)))  # (B, hd) each
+    got = native.decode_attention(qkv, cos, sin, cache_k, cache_v, n_head, pos, starts)
+    for b, first in enumerate(starts.tolist()):
+        q, k, v = qkv[b].float().split([n_head * hd, n_kv * hd, n_kv * hd])
+        q, k = apply_rope(q.view(n_head, 1, hd), cos[b], sin[b]), apply_rope(k.view(n_kv, 1, hd), cos[b], sin[b])
+        keys[b, :, pos], values[b, :, pos] = k[:, 0].bfloat16().float(), v.view(n_kv, hd)
+        keys_b, values_b = keys[b:b + 1, :, first:pos + 1], values[b:b + 1, :, first:pos + 1]
+        want = F.scaled_dot_product_attention(q[None], keys_b, values_b, enable_gqa=True)[0].reshape(-1)  # (n_head * hd,)
+        assert rel_err(got[b], want) < 1e-2, b
+    assert torch.equal(cache_k.float(), keys) and torch.equal(cache_v.float(), values)  # the new k, v only
     assert math.isfinite(got.float().sum().item())
+
+
+def test_decode_attention_row_is_the_same_at_any_offset_in_any_batch():
+    """A sequence's keys at 0..S-1 of a cache alone, or at 30..30+S-1 as row 1 of a batch: the same bits."""
+    n_head, n_kv, hd, S = 4, 2, 64, 20
+    qkv = torch.randn(1, (n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
+    past_k, past_v = (torch.randn(n_kv, S - 1, hd, generator=gen(i)).bfloat16() for i in (1, 2))
+    cos, sin = (t[None] for t in rope_angles(S - 1, hd))
+    alone_k, alone_v = (torch.zeros(1, n_kv, 64, hd, dtype=torch.bfloat16) for _ in range(2))
+    alone_k[0, :, :S - 1], alone_v[0, :, :S - 1] = past_k, past_v
+    alone = native.decode_attention(qkv, cos, sin, alone_k, alone_v, n_head, S - 1)
+    batch_k, batch_v = (torch.randn(3, n_kv, 64, hd, generator=gen(i)).bfloat16() for i in (3, 4))
+    batch_k[1, :, 30:30 + S - 1], batch_v[1, :, 30:30 + S - 1] = past_k, past_v
+    others = torch.randn(3, qkv.shape[1], generator=gen(5)).bfloat16()
+    others[1] = qkv[0]
+    got = native.decode_attention(others, cos.expand(3, -1), sin.expand(3, -1), batch_k, batch_v, n_head, 30 + S - 1,
+                                  torch.tensor([5, 30, 0]))
+    assert torch.equal(got[1], alone[0])
+
+
+def test_argmax_matches_torch():
+    logits = torch.randn(5, 4096, generator=gen(0)).bfloat16()
+    logits[1, 100] = logits[1, 3000] = 50  # a tie: the first, as torch.argmax
+    logits[2, 7] = float("nan")
+    logits[3, 4095] = float("-inf")
+    logits[4] = float("-inf")
+    top, finite = native.argmax(logits)
+    assert finite == [True, True, False, False, False]
+    assert top[:2] == logits[:2].float().argmax(-1).tolist() and top[1] == 100
+    assert top[3] == logits[3].float().argmax().item() and 0 <= top[4] < 4096
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +281,16 @@ def test_a_wrong_call_is_an_error_never_an_out_of_bounds_access():
         "a strided weight": lambda: native.gemv_bf16(x, torch.zeros(K, N, dtype=torch.bfloat16).t(), None),
         "a norm weight too short": lambda: native.rmsnorm(x, torch.ones(K // 2, dtype=torch.bfloat16), 1e-6),
         "a position past the cache": lambda: native.decode_attention(
-            torch.zeros(4 * 64, dtype=torch.bfloat16), torch.ones(64), torch.zeros(64),
-            torch.zeros(1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 64, dtype=torch.bfloat16), 2, 8),
+            torch.zeros(1, 4 * 64, dtype=torch.bfloat16), torch.ones(1, 64), torch.zeros(1, 64),
+            torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), 2, 8),
+        "a row's keys starting past its token": lambda: native.decode_attention(
+            torch.zeros(1, 4 * 64, dtype=torch.bfloat16), torch.ones(1, 64), torch.zeros(1, 64),
+            torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), 2, 5,
+            torch.tensor([6])),
+        "a cache of another row count": lambda: native.decode_attention(
+            torch.zeros(2, 4 * 64, dtype=torch.bfloat16), torch.ones(2, 64), torch.zeros(2, 64),
+            torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), 2, 5),
+        "logits of an odd width": lambda: native.argmax(torch.zeros(2, 100, dtype=torch.bfloat16)),
     }
     for what, call in wrong_calls.items():
         with pytest.raises(ValueError, match="native kernel"):

@@ -217,3 +217,14 @@ def test_soak_on_a_tiny_model(tiny_ckpt):
     m = re.search(r"(\d+)/(\d+) good answered, (\d+)/(\d+) bad got 400, (\d+) left.*active 0, waiting 0", r.stdout)
     assert m and m[1] == m[2] and m[3] == m[4], r.stdout
     assert "Ctrl-C: exit status 130" in r.stdout
+
+
+def test_load_script_reports_each_client_count_over_rounds(tiny_ckpt):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--clients", "1,2",
+                        "--requests", "2", "--max-tokens", "4", "--rounds", "2", "--threads", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and rows[0].split("|")[5].strip().startswith("1.00x (1.00x-1.00x)"), r.stdout
+    assert "2 round(s)" in r.stdout and "Ctrl-C: exit status 130" in r.stdout

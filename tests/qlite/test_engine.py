@@ -1,0 +1,82 @@
+"""The continuous-batching engine in bf16 on native widths (so the native batched attention and
+argmax run where the CPU has them): prompts prefilled together and sequences joining mid-run give
+each prompt's answer alone."""
+import threading
+
+import pytest
+import torch
+
+from qlite import native
+from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
+from qlite.pipeline import load
+from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
+
+PROMPTS = ["the", "he in the a", "a", "the the he", "in the he in the he in the", "he", "t", "a the in",
+           "in in", "the a the a the", "he he"]
+
+
+def test_prefill_groups_stay_within_the_token_bound():
+    def item(n):
+        return (None, [0] * n, 1)
+    lengths = [10, 30, 20, PREFILL_TOKENS // 2, PREFILL_TOKENS // 2, PREFILL_TOKENS + 5, 7]
+    groups = prefill_groups([item(n) for n in lengths])
+    assert [[len(ids) for _, ids, _ in g] for g in groups] == [
+        [10, 30, 20], [PREFILL_TOKENS // 2, PREFILL_TOKENS // 2], [PREFILL_TOKENS + 5], [7]]
+    assert all(len(g) == 1 or len(g) * max(len(ids) for _, ids, _ in g) <= PREFILL_TOKENS for g in groups)
+    assert prefill_groups([]) == []
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path_factory.mktemp("engine") / "bf16", **NATIVE_WIDTHS)
+    int4 = convert(src, src.parent / "int4", bits=4, group_size=128, progress=False).out_dir
+    return load(int4, dtype="bfloat16")
+
+
+def submit(engine, lm, prompt, max_tokens, answers):
+    done = threading.Event()
+    pieces = []
+
+    def emit(event):
+        if event[0] == "text":
+            pieces.append(event[1])
+        elif event[0] in ("done", "error"):
+            answers[prompt] = "".join(pieces) if event[0] == "done" else event
+            done.set()
+
+    engine.submit(Job(prepare=lambda: lm.prompt_ids(prompt, chat=False), params=lm.params(), emit=emit,
+                      max_tokens=max_tokens))
+    return done
+
+
+def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch):
+    """8 prompts of different lengths queued before the engine starts prefill as one padded batch;
+    three more join while those decode (the cache shifts right for the longest). Each answer equals
+    the prompt alone through `qlite generate`'s path."""
+    want = {p: lm.generate(p, chat=False, max_new_tokens=12) for p in PROMPTS}
+    calls = []
+    if native.library() is not None:
+        real = native.decode_attention
+        monkeypatch.setattr(native, "decode_attention",
+                            lambda qkv, *a, **k: calls.append((qkv.shape[0], a[-1] if len(a) > 6 else None)) or real(qkv, *a, **k))
+    engine = Engine(lm, max_batch=8, ctx=96)
+    answers = {}
+    first = [submit(engine, lm, p, 12, answers) for p in PROMPTS[:8]]
+    engine.start()
+    try:
+        first[0].wait(60)  # the first finishes, rows free up: the rest join a running batch
+        later = [submit(engine, lm, p, 12, answers) for p in PROMPTS[8:]]
+        for event in first + later:
+            assert event.wait(120)
+    finally:
+        engine.stop()
+    assert answers == want
+    if native.library() is not None:  # the padded batches took the native attention, with each row's start
+        assert any(B > 1 and starts is not None for B, starts in calls)
+
+
+def test_bf16_logits_argmax_natively_where_it_can(lm):
+    logits = torch.randn(3, lm.model.config.vocab_size).bfloat16()
+    top, finite = lm.model.ops.argmax_rows(logits)
+    assert top == logits.float().argmax(-1).tolist() and finite == [True] * 3
