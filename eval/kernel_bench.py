@@ -2,8 +2,11 @@
 integer-activation product (native.gemv_vnni), its bf16-activation product (native.gemv_int4 /
 gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
 three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head).
+--sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
+Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
+the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
-    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2]
+    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling]
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 from qlite import native
 from qlite.formats import Int4, Int8
+from qlite.generate import SamplingParams, filter_min_p, filter_top_k, filter_top_p, next_token
 
 SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder linears and lm_head
     ("gate_up int4-g128", Int4(128), 9728, 896),
@@ -39,14 +43,48 @@ def contenders(stored) -> dict:
     return dict(zip(NAMES, funcs))
 
 
+SAMPLING = {  # the settings of Qwen2.5-*-Instruct's generation_config, and a common CLI choice
+    "temperature 0.7, top-k 20, top-p 0.8": SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+    "temperature 0.8, top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+}
+
+
+def whole_vocabulary_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
+    return torch.multinomial(filter_min_p(logits, params.min_p).softmax(-1), 1)[:, 0]
+
+
+def time_sampling(calls: int) -> None:
+    """Synthetic logits shaped like a language model's: probability ~ rank^-1.5 over 151936 tokens
+    (randomly placed), bf16-rounded as the model's logits are."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = torch.randperm(151936, generator=gen).float() + 1
+    logits = (-1.5 * ranks.log())[None].bfloat16().float()
+    print("| settings | next_token ms | whole-vocabulary filters ms | ratio |")
+    print("|---|---|---|---|")
+    for name, params in SAMPLING.items():
+        funcs = (lambda: next_token(logits, params, None, None), lambda: whole_vocabulary_token(logits, params))
+        times = ([], [])
+        for _ in range(calls):
+            for f, t in zip(funcs, times):
+                t0 = time.perf_counter()
+                f()
+                t.append(1e3 * (time.perf_counter() - t0))
+        cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in times]
+        print(f"| {name} | {' | '.join(cells)} | {statistics.median(times[1]) / statistics.median(times[0]):.1f}x |")
+
+
 @click.command()
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
 @click.option("--threads", type=int, default=2, show_default=True)
-def main(rows, calls, threads):
+@click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
+def main(rows, calls, threads, sampling):
+    torch.set_num_threads(threads)
+    if sampling:
+        return time_sampling(calls)
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16")
-    torch.set_num_threads(threads)
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
     print("|---|---|---|---|---|---|")
     for name, fmt, N, K in SHAPES:

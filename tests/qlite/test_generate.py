@@ -4,7 +4,8 @@ import torch
 from qlite.loader import load_model
 from qlite.errors import QliteError
 from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
-                            detokenize, generate_tokens, next_token, stream_text)
+                            detokenize, generate_tokens, next_token, stream_text, top_k_candidates,
+                            top_p_candidates)
 from qlite.tokenizer import Tokenizer
 
 NEG = float("-inf")
@@ -51,6 +52,50 @@ def test_sampling_follows_the_distribution_and_the_seed():
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.02)
     hot = next_token(logits, SamplingParams(temperature=100.0), None, torch.Generator().manual_seed(0))
     assert (torch.bincount(hot, minlength=3).float() / len(hot)).min() > 0.3  # near uniform
+
+
+@pytest.mark.parametrize("k, top_p, min_p", [(5, 1.0, 0.0), (5, 0.6, 0.0), (8, 0.9, 0.05), (30, 0.95, 0.0)])
+def test_top_k_candidates_give_the_whole_vocabulary_distribution(k, top_p, min_p):
+    """Filtering the top-k candidates (ties at the k-th included) gives exactly the distribution that
+    filtering all logits gives; bf16-rounded logits have ties, and row 1 has one at its k-th."""
+    logits = (torch.randn(4, 2000, generator=torch.Generator().manual_seed(k)) * 3).bfloat16().float()
+    top = logits[1].topk(k).values
+    logits[1, logits[1] < top[-1]] = torch.where(torch.rand(2000) < 0.01, top[-1], logits[1])[logits[1] < top[-1]]
+    full = filter_min_p(filter_top_p(filter_top_k(logits, k), top_p), min_p).softmax(-1)
+    values, ids = top_k_candidates(logits, k)
+    assert ids.shape[1] > k  # the ties came along
+    few = filter_min_p(filter_top_p(values, top_p), min_p).softmax(-1)
+    assert torch.allclose(torch.zeros_like(full).scatter(-1, ids, few), full, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_p, min_p", [(0.5, 0.0), (0.9, 0.0), (0.95, 0.02)])
+def test_top_p_candidates_give_the_whole_vocabulary_distribution(top_p, min_p):
+    """Without top-k, top-p looks among the largest logits first (probabilities over the whole row):
+    the same kept set and distribution as sorting the whole row, ties included; None, and the
+    whole-row path, when the kept set could reach past the candidates."""
+    logits = (torch.randn(3, 20000, generator=torch.Generator().manual_seed(1)) * 4).bfloat16().float()
+    full = filter_min_p(filter_top_p(logits, top_p), min_p).softmax(-1)
+    values, ids = top_p_candidates(logits, top_p)
+    few = filter_min_p(values, min_p).softmax(-1)
+    assert torch.allclose(torch.zeros_like(full).scatter(-1, ids, few), full, atol=1e-7)
+    flat = torch.zeros(2, 20000)  # every token alike: the kept set is most of the row
+    assert top_p_candidates(flat, top_p) is None
+    assert next_token(flat, SamplingParams(temperature=1.0, top_p=top_p), None, None).shape == (2,)
+
+
+def test_top_k_of_all_but_one_drops_the_least_likely():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    tokens = next_token(logits.expand(2000, 4), SamplingParams(temperature=1.0, top_k=3), None,
+                        torch.Generator().manual_seed(0))
+    assert 3 not in tokens.tolist() and {0, 1, 2} <= set(tokens.tolist())
+
+
+def test_top_k_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.4, 0.05, 0.3, 0.1, 0.15] + [1e-4] * 95))[None].expand(20000, 100)
+    tokens = next_token(logits, SamplingParams(temperature=1.0, top_k=3), None, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=100).float() / len(tokens)
+    assert torch.allclose(freq[[0, 2, 4]], torch.tensor([0.4, 0.3, 0.15]) / 0.85, atol=0.02)
+    assert freq[[0, 2, 4]].sum() == 1
 
 
 @pytest.mark.parametrize("kwargs, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
