@@ -31,6 +31,21 @@ SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder line
 NAMES = ("integer x (vnni)", "bf16 x", "dequantize + matmul")
 
 
+def interleaved(funcs: dict, calls: int) -> dict[str, list[float]]:
+    """Milliseconds of each function over `calls` rounds, called in turn within a round."""
+    times = {k: [] for k in funcs}
+    for _ in range(calls):
+        for k, f in funcs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(1e3 * (time.perf_counter() - t))
+    return times
+
+
+def cell(times: list[float]) -> str:
+    return f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})"
+
+
 def contenders(stored) -> dict:
     """NAMES -> a function of x (M, K) for this weight."""
     q, s, z = stored["qweight"], stored["scales"], stored.get("zeros")
@@ -63,15 +78,10 @@ def time_sampling(calls: int) -> None:
     print("| settings | next_token ms | whole-vocabulary filters ms | ratio |")
     print("|---|---|---|---|")
     for name, params in SAMPLING.items():
-        funcs = (lambda: next_token(logits, params, None, None), lambda: whole_vocabulary_token(logits, params))
-        times = ([], [])
-        for _ in range(calls):
-            for f, t in zip(funcs, times):
-                t0 = time.perf_counter()
-                f()
-                t.append(1e3 * (time.perf_counter() - t0))
-        cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in times]
-        print(f"| {name} | {' | '.join(cells)} | {statistics.median(times[1]) / statistics.median(times[0]):.1f}x |")
+        times = interleaved({"next_token": lambda: next_token(logits, params, None, None),
+                             "whole": lambda: whole_vocabulary_token(logits, params)}, calls)
+        ratio = statistics.median(times["whole"]) / statistics.median(times["next_token"])
+        print(f"| {name} | {cell(times['next_token'])} | {cell(times['whole'])} | {ratio:.1f}x |")
 
 
 @click.command()
@@ -92,15 +102,11 @@ def main(rows, calls, threads, sampling):
         funcs = contenders(stored)
         for M in (int(r) for r in rows.split(",")):
             x = torch.randn(M, K).bfloat16()
-            times = {k: [] for k in funcs}
             for f in funcs.values():
                 f(x)  # warm up
-            for _ in range(calls if N < 100_000 else max(3, calls // 6)):
-                for k, f in funcs.items():
-                    t = time.perf_counter()
-                    f(x)
-                    times[k].append(1e3 * (time.perf_counter() - t))
-            cells = [f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]
+            times = interleaved({k: lambda f=f: f(x) for k, f in funcs.items()},
+                                calls if N < 100_000 else max(3, calls // 6))
+            cells = [cell(t) for t in times.values()]
             ratio = statistics.median(times["bf16 x"]) / statistics.median(times["integer x (vnni)"])
             print(f"| {name} {N}x{K} | {M} | {' | '.join(cells)} | {ratio:.2f} |", flush=True)
 

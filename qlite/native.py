@@ -276,7 +276,9 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
 
 
 def argmax_ready(logits: torch.Tensor) -> bool:
-    return logits.dim() == 2 and logits.shape[-1] % 16 == 0 and bf16_ready(logits[:, :32])
+    """Whether argmax takes these logits (bf16 rows on the CPU, a multiple of 16 wide)."""
+    return (logits.dim() == 2 and logits.dtype == torch.bfloat16 and logits.is_cpu and logits.shape[-1] % 16 == 0
+            and library() is not None)
 
 
 def argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
