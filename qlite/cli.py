@@ -18,6 +18,7 @@ sys.excepthook = _interrupted
 import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -395,8 +396,32 @@ def import_torch_uninterrupted() -> None:
         raise KeyboardInterrupt
 
 
+def _note_interrupts() -> tuple[list, object]:
+    """A Ctrl-C raises KeyboardInterrupt wherever Python is; inside a library's C call that catches
+    exceptions (torch converting a sequence, say) it can come out as another error. Record every
+    Ctrl-C so that main() reports such an error as the interrupt it is (exit 130)."""
+    seen: list = []
+    if threading.current_thread() is not threading.main_thread():
+        return seen, None
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    return seen, signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    sigints, previous = _note_interrupts()
+    try:
+        return _run(args, sigints)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(args: list, sigints: list) -> int:
     try:
         if args and not {"-h", "--help", "--version"} & set(args):
             import_torch_uninterrupted()
@@ -416,6 +441,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return 1
     except Exception as e:  # never a traceback for a user; QLITE_DEBUG=1 to see one
+        if sigints and not os.environ.get("QLITE_DEBUG"):  # a Ctrl-C that a library turned into this
+            click.echo("error: interrupted", err=True)
+            return 130
         if os.environ.get("QLITE_DEBUG"):
             raise
         msg = str(e).splitlines()[0] if str(e) else ""

@@ -105,3 +105,37 @@ def test_console_entry_point_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "qlite", "generate", "-m", tmp_path / "nope", "-p", "x"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'nope'}: not a directory"
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error_is_an_interrupt(capsys, monkeypatch):
+    """torch converting a sequence catches the KeyboardInterrupt of a Ctrl-C and raises ValueError:
+    still exit 130 with one line, and the Ctrl-C handler is put back afterwards."""
+    import os
+    import signal
+
+    import qlite.cli
+
+    class SwallowingCommand:
+        @staticmethod
+        def main(args, prog_name, standalone_mode):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next line
+                sum(range(10))
+            except KeyboardInterrupt:
+                raise ValueError("could not determine the shape of object type 'UntypedStorage'") from None
+            raise AssertionError("no KeyboardInterrupt arrived")
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(qlite.cli, "cli", SwallowingCommand)
+    assert main(["x"]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is before
+
+    class FailingCommand:
+        @staticmethod
+        def main(args, prog_name, standalone_mode):
+            raise ValueError("plain bug")
+
+    monkeypatch.setattr(qlite.cli, "cli", FailingCommand)
+    assert main(["x"]) == 1  # without a Ctrl-C the same error is an error
+    assert "ValueError: plain bug" in capsys.readouterr().err
