@@ -153,19 +153,22 @@ def measure(spec: dict) -> dict:
 
 
 def decode_bytes(spec: dict) -> int:
-    """Weight bytes one decode step reads: every tensor but the embedding (one row of it is read),
-    at the dtype the engine runs them in."""
+    """Weight bytes one decode step reads: every tensor but the embedding (one row of it is read)
+    unless the head is the embedding table itself (tied, no head of its own), at the dtype the engine
+    runs them in."""
     path = Path(spec["path"])
     if spec["engine"] == "llama.cpp":
         from gguf import GGUFReader
-        return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
+        tensors = GGUFReader(path).tensors
+        own_head = any(t.name == "output.weight" for t in tensors)
+        return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or not own_head)
     from qlite.checkpoint import CheckpointDir
     ckpt = CheckpointDir(path)
-    tied_float_head = ckpt.config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in ckpt.tensors)
+    own_head = any(n.startswith("lm_head.") for n in ckpt.tensors) or not ckpt.config.tie_word_embeddings
     run_fp32 = spec.get("dtype") in ("float32", "fp32")
     total = 0
     for name, t in ckpt.tensors.items():
-        if name == "model.embed_tokens.weight" and not tied_float_head:
+        if name.startswith("model.embed_tokens.") and own_head:
             continue
         total += t.nbytes * (2 if run_fp32 and t.dtype in ("F16", "BF16") else 1)
     return total

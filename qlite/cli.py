@@ -227,6 +227,10 @@ def info(model_dir):
 @click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]),
               help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
               "--symmetric; 16: not quantized (the default for bitsandbytes formats)")
+@click.option("--embed-bits", type=click.Choice(["4", "8", "16"]),
+              help="token embeddings: 8 int8 per row (the default), 4 int4 with --group-size (128 if not given), "
+              "16 not quantized (the default for bitsandbytes formats); a tied model whose lm_head has the same "
+              "format stores the table once")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
@@ -236,8 +240,8 @@ def info(model_dir):
 @click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
 @click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
-def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, max_shard_size, force, method,
-             calib_data, nsamples, seqlen, act_order, damp):
+def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
+             method, calib_data, nsamples, seqlen, act_order, damp):
     """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
     calibrated with GPTQ one decoder layer at a time."""
     bits = int(bits)
@@ -245,7 +249,8 @@ def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, 
         group_size = 128
     formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
                    else scheme, skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
-                   lm_head_bits=int(lm_head_bits) if lm_head_bits else None)
+                   lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
+                   embed_bits=int(embed_bits) if embed_bits else None)
     writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
     if method == "gptq":
         from quantize.calibrate import gptq_convert

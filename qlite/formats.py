@@ -105,6 +105,8 @@ def format_named(name: str) -> Format:
     for cls in REGISTRY.values():
         fmt = cls.parse(name)
         if fmt is not None:
+            if fmt.group_size is not None and fmt.group_size <= 0:
+                raise QliteError(f"format {name!r}: group size {fmt.group_size} must be a positive number of weights")
             return fmt
     raise QliteError(f"format {name!r}: unknown (known: int8, int8-gG, int4-gG, int4-gG-sym, nf4-bB, llm.int8)")
 
@@ -334,4 +336,4 @@ def unpack_int4(packed: torch.Tensor, in_features: int, high_first: bool = False
     """uint8 [N, ceil(K/2)] -> codes uint8 [N, K] (high_first: bitsandbytes' nibble order)."""
     lo, hi = packed & 0xF, packed >> 4
     both = torch.stack([hi, lo] if high_first else [lo, hi], dim=-1)  # (N, ceil(K/2), 2)
-    return both.reshape(*packed.shape[:-1], -1)[..., :in_features]
+    return both.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :in_features]

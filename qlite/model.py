@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen2Config
+from .qembedding import QuantEmbedding
 from .qlinear import QuantLinear
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -239,7 +240,9 @@ class DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        fmt = cfg.quantization.embeddings if cfg.quantization else None
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if fmt is None
+                             else QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
@@ -280,16 +283,23 @@ class Qwen2ForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """A tied head uses the embedding table when both have one format (qconfig.shares_table)."""
+        q, embed = self.config.quantization, self.model.embed_tokens
+        if not self.config.tie_word_embeddings or q is not None and not q.shares_table(True):
+            return
+        if isinstance(embed, QuantEmbedding):
+            for name, t in embed.stored().items():
+                setattr(self.lm_head, name, t)
+        else:
+            self.lm_head.weight = embed.weight
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def new_cache(self, batch: int, capacity: int, limit: int | None = None) -> KVCache:
         return KVCache(self.config, batch, capacity, self.dtype, self.device, limit)
@@ -307,7 +317,7 @@ class Qwen2ForCausalLM(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start,
                     key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None)
-        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
         for layer in self.model.layers:
             x = layer(x, step)
         if cache is not None:

@@ -5,8 +5,13 @@ The per-module rules, all of them:
 - the decoder's linears named in `modules` (all seven kinds by default) take the main format;
 - lm_head takes `lm_head` (its own format, or None for 16-bit); from the flags: --lm-head-bits 8 is
   int8 per output row, 4 is int4 with --group-size (128 if not given) and --symmetric, 16 keeps it;
+- the token embeddings take `embeddings` (None: 16-bit), from --embed-bits by the same rule (int8 per
+  row by default, 16-bit for bitsandbytes' formats); a lookup
+  dequantizes only the rows it reads. A tied checkpoint whose embeddings and lm_head have the same
+  format (both 16-bit, or both int8, ...) stores the table once, as model.embed_tokens, and the head
+  uses it; with different formats the head is stored as its own lm_head;
 - a module whose dotted name contains a `skip` substring stays 16-bit;
-- everything else (embeddings, norms, biases) stays 16-bit.
+- everything else (norms, biases) stays 16-bit.
 With `input_order` (imported act-order GPTQ / compressed-tensors checkpoints), every quantized linear
 also stores `input_order` int32 [K]: its codes are stored in that column order, groups contiguous in
 it, and the layer reads x[..., input_order]. Such checkpoints are format_version 2, so a qlite that
@@ -25,20 +30,21 @@ FORMAT_VERSION_INPUT_ORDER = 2  # written only when input_order is set
 QUANT_METHOD = "qlite"
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("rtn", "gptq", "bnb")
+EMBEDDINGS = "model.embed_tokens"
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
-               "lm_head_bits", "lm_head_format", "skip", "input_order"}
+               "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order"}
 
 
-def lm_head_format(lm_head_bits: int, group_size: int | None, symmetric: bool) -> Format | None:
-    """lm_head's format for --lm-head-bits (see the module docstring)."""
-    if lm_head_bits == 16:
+def table_format(bits: int, group_size: int | None, symmetric: bool, flag: str = "--lm-head-bits") -> Format | None:
+    """lm_head's format for --lm-head-bits, or the embeddings' for --embed-bits (see the module docstring)."""
+    if bits == 16:
         return None
-    if lm_head_bits == 8:
+    if bits == 8:
         return Int8(None)  # per output row: the fast int8 kernels
-    if lm_head_bits == 4:
+    if bits == 4:
         return Int4.make(group_size or 128, symmetric)
-    raise QliteError(f"--lm-head-bits {lm_head_bits}: choose 4, 8 or 16")
+    raise QliteError(f"{flag} {bits}: choose 4, 8 or 16")
 
 
 @dataclass(frozen=True)
@@ -50,19 +56,24 @@ class QuantConfig:
     skip: tuple[str, ...] = ()
     params: dict = field(default_factory=dict)  # the method's settings, recorded (GPTQ: act_order, damp, ...)
     input_order: bool = False  # quantized linears store a column order (see the module docstring)
+    embeddings: Format | None = None  # None: 16-bit
 
     @classmethod
     def from_options(cls, bits: int = 4, group_size: int | None = 128, symmetric: bool = False, scheme: str = "int",
-                     lm_head_bits: int | None = None, skip=(), method: str = "rtn", params: dict | None = None
-                     ) -> "QuantConfig":
+                     lm_head_bits: int | None = None, skip=(), method: str = "rtn", params: dict | None = None,
+                     embed_bits: int | None = None) -> "QuantConfig":
         """From the quantize flags. bitsandbytes formats are made by bitsandbytes (method "bnb") and
-        keep lm_head 16-bit by default, as transformers does for them; qlite's keep it int8."""
+        keep lm_head and the embeddings 16-bit by default, as transformers does for them; qlite's make
+        both int8 per row (a tied model then stores one int8 table)."""
         linear = format_for_fields(scheme, bits if scheme == "int" else None, group_size, symmetric)
         if lm_head_bits is None:
             lm_head_bits = 8 if scheme == "int" else 16
+        if embed_bits is None:
+            embed_bits = 8 if scheme == "int" else 16
         method = method if scheme == "int" else "bnb"
-        return cls(linear, lm_head_format(lm_head_bits, group_size, symmetric), method, LINEAR_KINDS,
-                   tuple(skip), dict(params or {}))
+        return cls(linear, table_format(lm_head_bits, group_size, symmetric), method, LINEAR_KINDS,
+                   tuple(skip), dict(params or {}), embeddings=table_format(embed_bits, group_size, symmetric,
+                                                                             "--embed-bits"))
 
     @classmethod
     def from_dict(cls, q: dict, source: str) -> "QuantConfig":
@@ -84,7 +95,8 @@ class QuantConfig:
                 head = None if q["lm_head_format"] is None else format_named(q["lm_head_format"])
             else:  # written before lm_head_format: lm_head 4-bit took the main int4 format, else int4-g128
                 bits = int(q.get("lm_head_bits", 16))
-                head = linear if bits == 4 and isinstance(linear, Int4) else lm_head_format(bits, 128, False)
+                head = linear if bits == 4 and isinstance(linear, Int4) else table_format(bits, 128, False)
+            embeddings = None if q.get("embed_format") is None else format_named(q["embed_format"])
             modules, skip = tuple(q.get("modules", LINEAR_KINDS)), tuple(q.get("skip", ()))
         except QliteError as e:
             raise QliteError(f"{source}: {e}") from None
@@ -93,14 +105,16 @@ class QuantConfig:
         if not set(modules) <= set(LINEAR_KINDS) or not all(isinstance(s, str) for s in skip):
             raise QliteError(f"{source}: quantization_config modules must be among {', '.join(LINEAR_KINDS)}")
         return cls(linear, head, str(q.get("method", "rtn")), modules, skip,
-                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, bool(q.get("input_order", False)))
+                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, bool(q.get("input_order", False)),
+                   embeddings)
 
     def to_dict(self) -> dict:
         version = FORMAT_VERSION_INPUT_ORDER if self.input_order else FORMAT_VERSION
         return {"quant_method": QUANT_METHOD, "format_version": version, "method": self.method,
                 **self.linear.fields(), "modules": list(self.modules),
                 "lm_head_bits": self.lm_head.bits if self.lm_head else 16,
-                "lm_head_format": self.lm_head.name if self.lm_head else None, "skip": list(self.skip),
+                "lm_head_format": self.lm_head.name if self.lm_head else None,
+                **({"embed_format": self.embeddings.name} if self.embeddings else {}), "skip": list(self.skip),
                 **({"input_order": True} if self.input_order else {}), **self.params}
 
     def format_for(self, module_name: str) -> Format | None:
@@ -109,6 +123,8 @@ class QuantConfig:
             return None
         if module_name == "lm_head":
             return self.lm_head
+        if module_name == EMBEDDINGS:
+            return self.embeddings
         m = _DECODER_LINEAR.fullmatch(module_name)
         return self.linear if m and m[1] in self.modules else None
 
@@ -118,8 +134,14 @@ class QuantConfig:
         name = self.linear.name if self.method in ("rtn", "bnb") else f"{self.method}-{self.linear.name}"
         return name + ("-act" if self.params.get("act_order") else "")
 
+    def shares_table(self, tied: bool) -> bool:
+        """Whether a tied model's head uses the embedding table as stored (the same format)."""
+        return tied and self.embeddings == self.lm_head
+
     def describe(self) -> str:
         text = f"{self.method} {self.linear.name}, lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
+        if self.embeddings:
+            text += f", embeddings {self.embeddings.name}"
         if self.skip:
             text += f", skipped: {', '.join(self.skip)}"
         if self.input_order:

@@ -125,7 +125,7 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
         raise QliteError(f"--damp {damp}: must be > 0")
     params = {"act_order": act_order, "damp": damp, "nsamples": nsamples, "seqlen": seqlen, "calibration": calib}
     qconfig = qconfig or QuantConfig.from_options(method="gptq", params=params, **options)
-    for fmt in (qconfig.linear, qconfig.lm_head):
+    for fmt in (qconfig.linear, qconfig.lm_head, qconfig.embeddings):
         if fmt is not None and not isinstance(fmt, IntFormat):
             raise QliteError(f"--method gptq makes qlite's int formats, not {fmt.name}")
     t0 = time.perf_counter()
@@ -135,5 +135,7 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
         raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:
         weights = gptq_weights(plan.src, qconfig, calib, nsamples, seqlen, act_order, damp, progress)
-        write_quantized(plan, out, lambda job: weights.pop(job.module), force, max_shard_bytes, progress)
+        write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
+                        else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
+                        force, max_shard_bytes, progress)
     return plan.summary(out, time.perf_counter() - t0, mem.peak)

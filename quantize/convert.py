@@ -11,6 +11,7 @@ are the two quantize functions behind the same plan and writer."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -25,16 +26,17 @@ from qlite.formats import Format
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from qlite.outputs import atomic_output_dir, check_output
-from qlite.qconfig import QuantConfig
+from qlite.qconfig import EMBEDDINGS, QuantConfig
 from qlite.safetensors_io import TensorSpec, write_sharded
 
 FLOAT_SOURCE = ("F32", "F16", "BF16")
+PARTS = {"lm_head": "lm_head", EMBEDDINGS: "embeddings"}  # output module -> part; any other: "linears"
 
 
 @dataclass(frozen=True)
 class Job:
     source: str  # the source tensor
-    module: str  # the output module (lm_head for a tied checkpoint's own quantized head)
+    module: str  # the output module, or tensor if copied (lm_head for a tied checkpoint's own head)
     fmt: Format | None  # None: copied as is
 
 
@@ -46,22 +48,24 @@ class Plan:
     specs: list[TensorSpec]
     side_files: list[Path]  # copied as they are: tokenizer, generation config, chat template, ...
 
-    def weights_and_bits(self, head: bool) -> tuple[int, float]:
-        """(weights, stored bits) of the quantized decoder linears, or of lm_head."""
+    def bits_per_weight(self, part: str) -> float | None:
+        """Stored bits per weight of the quantized decoder linears ("linears"), lm_head or the
+        embeddings; None where that part is not quantized."""
         n = bits = 0
         for job in self.jobs:
-            if job.fmt is not None and (job.module == "lm_head") == head:
+            if job.fmt is not None and PARTS.get(job.module, "linears") == part:
                 rows, cols = self.src.tensors[job.source].shape
                 n += rows * cols
                 bits += job.fmt.bits_per_weight(cols) * rows * cols
-        return n, bits
+        return bits / n if n else None
 
     def summary(self, out_dir: Path, seconds: float, peak_anon: int) -> "Summary":
-        n, bits = self.weights_and_bits(head=False)
-        n_head, head_bits = self.weights_and_bits(head=True)
+        params = sum(math.prod(info.shape) for info in self.src.tensors.values())
         return Summary(out_dir, len(self.specs), sum(j.fmt is not None for j in self.jobs), self.src.nbytes,
-                       sum(s.nbytes for s in self.specs), bits / max(n, 1), head_bits / n_head if n_head else None,
-                       seconds, peak_anon, peak_rss_bytes())
+                       sum(s.nbytes for s in self.specs), params, self.bits_per_weight("linears") or 16.0,
+                       self.bits_per_weight("lm_head"), self.bits_per_weight("embeddings"),
+                       self.qconfig.shares_table(self.src.config.tie_word_embeddings), seconds, peak_anon,
+                       peak_rss_bytes())
 
 
 @dataclass
@@ -71,18 +75,30 @@ class Summary:
     quantized: int
     bytes_before: int
     bytes_after: int
+    parameters: int  # of the source (a tied table counted once)
     linear_bits_per_weight: float
-    head_bits_per_weight: float | None
+    head_bits_per_weight: float | None  # None: 16-bit, or the shared table
+    embed_bits_per_weight: float | None  # None: 16-bit
+    head_is_table: bool  # a tied head that uses the stored embedding table
     seconds: float
     peak_anon_bytes: int
     peak_rss_bytes: int
+
+    @property
+    def bits_per_parameter(self) -> float:
+        """Every stored byte of the output's tensors, times 8, over the parameter count."""
+        return 8 * self.bytes_after / self.parameters
 
     def __str__(self) -> str:
         mib = 2 ** 20
         return (f"wrote {self.out_dir}: {self.tensors} tensors ({self.quantized} quantized), "
                 f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB, "
-                f"{self.linear_bits_per_weight:.3f} bits per weight in the decoder linears"
-                + (f", {self.head_bits_per_weight:.3f} in lm_head" if self.head_bits_per_weight else ", lm_head 16-bit")
+                f"{self.bits_per_parameter:.3f} bits per parameter; bits per weight: "
+                f"{self.linear_bits_per_weight:.3f} in the decoder linears"
+                + (f", {self.embed_bits_per_weight:.3f} in the embeddings" if self.embed_bits_per_weight
+                   else ", embeddings 16-bit")
+                + (", lm_head is the embedding table" if self.head_is_table
+                   else f", {self.head_bits_per_weight:.3f} in lm_head" if self.head_bits_per_weight else ", lm_head 16-bit")
                 + f", {self.seconds:.1f} s, peak memory {self.peak_anon_bytes / mib:.0f} MiB anonymous "
                 f"({self.peak_rss_bytes / mib:.0f} MiB RSS with mapped source pages)")
 
@@ -113,8 +129,9 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
         if not any(s in m for m in linears):
             raise QliteError(f"--skip {s}: names no linear layer of {src.path} (names look like "
                              f"model.layers.0.mlp.down_proj; any part of one will do, e.g. down_proj)")
-    if cfg.tie_word_embeddings and qconfig.format_for("lm_head") is not None:
-        jobs.append(Job("model.embed_tokens.weight", "lm_head", qconfig.format_for("lm_head")))  # an own head
+    if cfg.tie_word_embeddings and not qconfig.shares_table(True):  # the head in its own format
+        head = qconfig.format_for("lm_head")
+        jobs.append(Job("model.embed_tokens.weight", "lm_head" if head else "lm_head.weight", head))
     specs = []
     for job in jobs:
         info = src.tensors[job.source]

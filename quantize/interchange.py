@@ -27,7 +27,7 @@ from qlite.config import Qwen2Config, read_json
 from qlite.errors import QliteError
 from qlite.formats import Format, Int4, Int8
 from qlite.outputs import atomic_output_dir, check_output
-from qlite.qconfig import LINEAR_KINDS, QuantConfig
+from qlite.qconfig import EMBEDDINGS, LINEAR_KINDS, QuantConfig
 from qlite.safetensors_io import TensorSpec, write_sharded
 
 from . import foreign
@@ -99,7 +99,8 @@ def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict
     cfg = src.config
     if cfg.quantization is None:
         raise QliteError(f"{src.path}: a 16-bit checkpoint; quantize it first (qlite quantize), or export --to gguf")
-    modules = [name.removesuffix(".qweight") for name in src.tensors if name.endswith(".qweight")]
+    modules = [name.removesuffix(".qweight") for name in src.tensors
+               if name.endswith(".qweight") and name != f"{EMBEDDINGS}.qweight"]  # the linears
     layer = {}
     for module in modules:
         fmt = cfg.quantization.format_for(module)
@@ -147,16 +148,34 @@ def export_checkpoint(src: str | Path, to: str, out: str | Path, force: bool = F
 
 
 def export_plan(src: CheckpointDir, layers: dict, module_job: Callable[[str], Job]) -> Output:
-    """Every tensor of src in order: a quantized module's tensors made by `module_job`, the rest (and
-    the quantized modules' biases) copied."""
+    """Every tensor of src in order: a quantized module's tensors made by `module_job`, quantized
+    embeddings as a float16 table (neither target stores them quantized), the rest (and the quantized
+    modules' biases) copied."""
     output = Output()
+    embeddings = src.config.quantization.embeddings
     for name in src.tensors:
         module, _, suffix = name.rpartition(".")
-        if module not in layers or suffix == "bias":
+        if module == EMBEDDINGS and embeddings is not None:
+            if suffix == "qweight":
+                output.jobs.append(float16_job(src, module, embeddings, src.config.hidden_size))
+        elif module not in layers or suffix == "bias":
             output.copy(src, name)
         elif suffix == "qweight":
             output.jobs.append(module_job(module))
     return output
+
+
+def float16_job(src: CheckpointDir, module: str, fmt: Format, in_features: int) -> Job:
+    """A quantized module written as its dequantized float16 weight."""
+    n = src.tensors[f"{module}.qweight"].shape[0]
+    return Job([TensorSpec(f"{module}.weight", torch.float16, (n, in_features))], lambda: {
+        f"{module}.weight": fmt.dequantize(read_module(src, module, fmt, src.config.quantization)[0], in_features).half()})
+
+
+def embedding_notes(qcfg: QuantConfig, target: str) -> list[str]:
+    if qcfg.embeddings is None:
+        return []
+    return [f"embeddings ({qcfg.embeddings.name}) written as float16: {target} stores no quantized embeddings"]
 
 
 def _base_config(src: CheckpointDir, layers: dict) -> dict:
@@ -197,7 +216,7 @@ def export_compressed_tensors(src, out, cfg, qcfg, layers, force, progress) -> l
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "version": CT_SPEC_VERSION}
     write_dir(src, out, output, config, force, progress, "export")
-    return []
+    return embedding_notes(qcfg, "compressed-tensors")
 
 
 def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> list[str]:
@@ -211,7 +230,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
         raise QliteError(f"--gptq-format v1: {src.path} has groups with zero point 0, which GPTQ v1 cannot store "
                          f"(it stores zero - 1); use --gptq-format v2 (or auto)")
     v1 = gptq_format == "v1" or (gptq_format == "auto" and zero_free)
-    notes = []
+    notes = embedding_notes(qcfg, "GPTQ")
     if "lm_head" in layers:  # transformers' GPTQ loader ignores `lm_head: true` and would run a random head
         notes.append(f"lm_head ({qcfg.lm_head.name}) written as float16: transformers' GPTQ loader does not read a "
                      f"quantized lm_head")
@@ -219,8 +238,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
     def module_job(module: str) -> Job:
         n, k = layers[module]
         if module == "lm_head":
-            return Job([TensorSpec(f"{module}.weight", torch.float16, (n, k))], lambda: {
-                f"{module}.weight": qcfg.lm_head.dequantize(read_module(src, module, qcfg.lm_head, qcfg)[0], k).half()})
+            return float16_job(src, module, qcfg.lm_head, k)
         specs = [TensorSpec(f"{module}.{s}", dt, shape) for s, (dt, shape) in foreign.gptq_shapes(fmt, n, k).items()]
         return Job(specs, lambda: _gptq_tensors(src, module, fmt, qcfg, k, v1))
 

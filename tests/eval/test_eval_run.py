@@ -34,7 +34,7 @@ def test_cli_writes_table_and_json(capsys, base_and_quant, tmp_path):
     code = main(["eval", str(quant), "--baseline", str(base), "--data", str(text), "--ctx", "32", "--max-chunks", "2",
                  "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")])
     out = capsys.readouterr().out
-    assert code == 0 and "| int4 | rtn int4-g32, lm_head int8 |" in out
+    assert code == 0 and "| int4 | rtn int4-g32, lm_head int8, embeddings int8 |" in out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert rows[0]["metrics"]["tokens"] == 62
     assert (tmp_path / "r.md").read_text().startswith("| model |")

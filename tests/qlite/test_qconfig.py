@@ -17,7 +17,8 @@ def test_format_for_each_module():
     assert q.format_for("model.layers.1.mlp.down_proj") is None  # skipped
     assert q.format_for("model.layers.1.self_attn.o_proj") == Int4(64)
     assert q.format_for("lm_head") == Int8()  # the default: int8 per output row
-    assert q.format_for("model.embed_tokens") is None
+    assert q.format_for("model.embed_tokens") == Int8()  # the default: int8 per row
+    assert QuantConfig.from_options(scheme="nf4").format_for("model.embed_tokens") is None
 
 
 @pytest.mark.parametrize("options, head", [
@@ -44,6 +45,26 @@ def test_config_json_round_trip_and_legacy_lm_head():
     assert QuantConfig.from_dict({**LEGACY_INT4, "bits": 8}, "c.json").lm_head == Int4(128, False)
     assert QuantConfig.from_dict({**LEGACY_INT4, "lm_head_bits": 8}, "c.json").lm_head == Int8()
     assert format_named(q.suffix.removeprefix("gptq-")) == q.linear
+    assert d["embed_format"] == "int8" and "embed_format" not in QuantConfig.from_options(embed_bits=16).to_dict()
+    assert QuantConfig.from_dict(LEGACY_INT4, "c.json").embeddings is None  # written before embed_format
+
+
+@pytest.mark.parametrize("options, table, shared", [
+    (dict(bits=4, group_size=32, embed_bits=8), "int8", True),  # the int8 head is the same format
+    (dict(bits=4, group_size=32, embed_bits=4), "int4-g32", False),
+    (dict(bits=4, group_size=32, embed_bits=4, lm_head_bits=4), "int4-g32", True),
+    (dict(bits=4, group_size=32, embed_bits=8, lm_head_bits=16), "int8", False),
+    (dict(bits=4, group_size=32, lm_head_bits=16, embed_bits=16), None, True),  # one float table, as before
+])
+def test_embeddings_follow_the_flags_and_round_trip(options, table, shared):
+    q = QuantConfig.from_options(**options)
+    assert (q.embeddings.name if q.embeddings else None) == table == (q.format_for("model.embed_tokens").name
+                                                                       if table else None)
+    assert q.shares_table(True) == shared and not q.shares_table(False)
+    assert QuantConfig.from_dict(q.to_dict(), "c.json") == q
+    assert (f"embeddings {table}" in q.describe()) == (table is not None)
+    with pytest.raises(QliteError, match="--embed-bits 6: choose 4, 8 or 16"):
+        QuantConfig.from_options(embed_bits=6)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -54,6 +75,7 @@ def test_config_json_round_trip_and_legacy_lm_head():
     ({"bits": 5}, "c.json: bits 5: qlite quantizes"),
     ({"bits": "x"}, "malformed"),
     ({"lm_head_format": "int9"}, "format 'int9': unknown"),
+    ({"embed_format": "int4-g0"}, "group size 0"),
     ({"modules": ["conv"]}, "modules must be among"),
 ])
 def test_bad_quantization_configs_are_refused(change, message):

@@ -3,6 +3,7 @@ better than RTN does."""
 import json
 
 import pytest
+import torch
 
 from eval.run import evaluate
 from qlite.loader import load_model
@@ -52,3 +53,18 @@ def test_gptq_refuses_bnb_formats(capsys, setup, tmp_path):
     base, _ = setup
     assert main(["quantize", str(base), "--method", "gptq", "--format", "nf4", "--out", str(tmp_path / "x")]) != 0
     assert "--method gptq" in capsys.readouterr().err
+
+
+def test_gptq_with_quantized_embeddings_rounds_the_table_to_nearest(setup, tmp_path):
+    """An untied model: GPTQ makes the linears, the int4 table is round to nearest (no Hessian for a
+    lookup), exactly RTN's table."""
+    from safetensors.torch import load_file
+    base, text = setup
+    kw = dict(bits=4, group_size=32, embed_bits=4, progress=False)
+    gptq = gptq_convert(base, tmp_path / "gptq", calib=str(text), nsamples=2, seqlen=32, **kw)
+    rtn = convert(base, tmp_path / "rtn", **kw).out_dir
+    assert gptq.embed_bits_per_weight == pytest.approx(4 + 24 / 32)
+    ours, theirs = load_file(gptq.out_dir / "model.safetensors"), load_file(rtn / "model.safetensors")
+    for suffix in ("qweight", "scales", "zeros"):
+        assert torch.equal(ours[f"model.embed_tokens.{suffix}"], theirs[f"model.embed_tokens.{suffix}"])
+    assert not torch.equal(ours["model.layers.0.mlp.down_proj.qweight"], theirs["model.layers.0.mlp.down_proj.qweight"])

@@ -17,6 +17,7 @@ from qlite.cli import main
 from qlite.errors import QliteError
 from qlite.model import SplitLinear
 from qlite.qconfig import QuantConfig
+from qlite.qembedding import QuantEmbedding
 from qlite.qlinear import QuantLinear
 from quantize.convert import convert
 from tiny_models import make_checkpoint
@@ -63,6 +64,9 @@ def dequantized_twin(quantized_dir: Path, src_dir: Path):
             parent, _, attr = name.rpartition(".")
             setattr(twin_modules[parent], attr, SplitLinear(parts))
             twin_modules = dict(twin.named_modules())
+    if isinstance(q.model.embed_tokens, QuantEmbedding):  # the dequantized table (a tied twin head keeps its own)
+        table = q.model.embed_tokens
+        twin.model.embed_tokens.weight = torch.nn.Parameter(table.fmt.dequantize(table.stored(), table.embedding_dim))
     for name, mod in q.named_modules():
         if isinstance(mod, QuantLinear):
             target = twin_modules[name]
@@ -125,14 +129,61 @@ def test_saved_tensors_reload_bit_identical(src, tmp_path):
         assert torch.equal(qkv[suffix], torch.cat(parts).to(qkv[suffix].dtype)), suffix  # bias: run dtype
 
 
-def test_tied_embeddings_get_an_own_quantized_head(tied_src, tmp_path):
-    out = convert(tied_src, tmp_path / "q", bits=8, group_size=None, progress=False).out_dir
+def test_tied_16_bit_embeddings_get_an_own_quantized_head(tied_src, tmp_path):
+    out = convert(tied_src, tmp_path / "q", bits=8, group_size=None, embed_bits=16, progress=False).out_dir
     stored = load_file(out / "model.safetensors")
     source = load_file(tied_src / "model.safetensors")
     assert "lm_head.qweight" in stored and "lm_head.weight" not in source
     assert torch.equal(stored["model.embed_tokens.weight"], source["model.embed_tokens.weight"])  # not quantized
     q, twin = dequantized_twin(out, tied_src)
     ids = torch.randint(0, 500, (1, 7))
+    with torch.no_grad():
+        assert (q(ids) - twin(ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("embed_bits, group", [(8, None), (4, 32)])
+def test_quantized_embeddings_round_trip_and_match_the_dequantized_table(src, tmp_path, embed_bits, group):
+    out = convert(src, tmp_path / "q", bits=4, group_size=group or 64, embed_bits=embed_bits, progress=False)
+    stored = load_file(out.out_dir / "model.safetensors")
+    fmt = QuantConfig.from_dict(json.loads((out.out_dir / "config.json").read_text())["quantization_config"],
+                                "config").embeddings
+    assert fmt.name == ("int8" if embed_bits == 8 else "int4-g32")
+    source = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    assert "model.embed_tokens.weight" not in stored
+    for suffix, t in fmt.quantize(source).items():  # exactly what the format makes, through the file
+        assert torch.equal(stored[f"model.embed_tokens.{suffix}"], t), suffix
+    assert out.embed_bits_per_weight == pytest.approx(fmt.bits_per_weight(source.shape[1]))
+    assert out.bits_per_parameter == pytest.approx(8 * out.bytes_after / sum(
+        t.numel() for t in load_file(src / "model.safetensors").values()))
+    q, twin = dequantized_twin(out.out_dir, src)
+    assert isinstance(q.model.embed_tokens, QuantEmbedding)
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (q(ids) - twin(ids)).abs().max() <= 1e-4
+        fast = load_model(out.out_dir, dtype="bfloat16")(ids).float()
+        assert ((fast - twin(ids)).norm() / twin(ids).norm()) <= 0.03
+
+
+def test_tied_table_and_head_of_one_format_are_stored_once(tied_src, tmp_path):
+    """Tied, --embed-bits 8 and an int8 head: one int8 table in the file, the head reads it (shared
+    buffers); the output is the dequantized tied twin's."""
+    out = convert(tied_src, tmp_path / "q", bits=4, group_size=64, embed_bits=8, progress=False)
+    stored = load_file(out.out_dir / "model.safetensors")
+    assert not any(k.startswith("lm_head.") for k in stored) and "model.embed_tokens.qweight" in stored
+    assert out.head_is_table and "lm_head is the embedding table" in str(out)
+    own = convert(tied_src, tmp_path / "own", bits=4, group_size=64, embed_bits=4, progress=False)
+    assert "lm_head.qweight" in load_file(own.out_dir / "model.safetensors") and not own.head_is_table
+    model = load_model(out.out_dir)
+    assert model.lm_head.qweight.data_ptr() == model.model.embed_tokens.qweight.data_ptr()
+    q, twin = dequantized_twin(out.out_dir, tied_src)
+    ids = torch.randint(0, 500, (1, 7))
+    with torch.no_grad():
+        assert (q(ids) - twin(ids)).abs().max() <= 1e-4
+    float_head = convert(tied_src, tmp_path / "fh", bits=4, group_size=64, embed_bits=8, lm_head_bits=16,
+                         progress=False).out_dir  # the head keeps the float table as its own tensor
+    assert torch.equal(load_file(float_head / "model.safetensors")["lm_head.weight"],
+                       load_file(tied_src / "model.safetensors")["model.embed_tokens.weight"])
+    q, twin = dequantized_twin(float_head, tied_src)
     with torch.no_grad():
         assert (q(ids) - twin(ids)).abs().max() <= 1e-4
 

@@ -9,6 +9,7 @@ import torch
 from eval.interchange import PROMPT, compare, transformers_run
 from qlite.checkpoint import CheckpointDir
 from qlite.tokenizer import Tokenizer
+from qlite.formats import Int8
 from quantize.interchange import export_checkpoint, import_checkpoint
 
 pytestmark = pytest.mark.demo
@@ -27,9 +28,11 @@ def test_demo_round_trips(demo_int4, tmp_path):
         import_checkpoint(tmp_path / to, tmp_path / f"{to}-back", progress=False)
         back = CheckpointDir(tmp_path / f"{to}-back")
         for name in ours.tensors:
-            if to == "gptq" and name.startswith("lm_head."):
-                continue  # written float16 for transformers' GPTQ loader
+            if to == "gptq" and name.startswith("lm_head.") or name.startswith("model.embed_tokens."):
+                continue  # written float16: transformers' GPTQ loader, no quantized embeddings in either
             assert torch.equal(ours.read(name), back.read(name)), (to, name)
+        table = {s: ours.read(f"model.embed_tokens.{s}") for s in ("qweight", "scales")}
+        assert torch.equal(back.read("model.embed_tokens.weight"), Int8().dequantize(table, 896).half())
 
 
 def test_demo_gguf_blocks(demo_int4, tmp_path):

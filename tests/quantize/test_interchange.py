@@ -22,11 +22,11 @@ from quantize.interchange import export_checkpoint, import_checkpoint
 from tiny_models import hf_model, make_checkpoint
 
 QDIMS = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
-FORMATS = {  # name: quantize options
-    "int4-g32": dict(bits=4, group_size=32),
-    "int4-g64-sym": dict(bits=4, group_size=64, symmetric=True),
-    "int8": dict(bits=8, group_size=None),
-    "int4-g32-head4": dict(bits=4, group_size=32, lm_head_bits=4),
+FORMATS = {  # name: quantize options (a 16-bit table: quantized embeddings have their own test)
+    "int4-g32": dict(bits=4, group_size=32, embed_bits=16),
+    "int4-g64-sym": dict(bits=4, group_size=64, symmetric=True, embed_bits=16),
+    "int8": dict(bits=8, group_size=None, embed_bits=16),
+    "int4-g32-head4": dict(bits=4, group_size=32, lm_head_bits=4, embed_bits=16),
 }
 
 
@@ -327,6 +327,43 @@ def test_gguf_export(quantized, tmp_path):
     # qlite reads it back (dequantized): the same logits up to the F16 embedding
     assert main(["import", str(out), "--out", str(tmp_path / "back")]) == 0
     assert (logits(tmp_path / "back", IDS) - logits(quantized["int4-g64-sym"], IDS)).abs().max() < 1e-2
+
+
+@pytest.fixture(scope="module")
+def shared_table(tmp_path_factory):
+    """A tied model quantized with an int8 table that the int8 head shares (one stored copy); symmetric
+    int4, which transformers loads from compressed-tensors."""
+    root = tmp_path_factory.mktemp("shared")
+    tied = make_checkpoint(root / "tied", seed=8, tie_word_embeddings=True, **QDIMS)
+    return convert(tied, root / "q", bits=4, group_size=32, symmetric=True, embed_bits=8, progress=False).out_dir
+
+
+def test_quantized_embeddings_export(shared_table, tmp_path):
+    """compressed-tensors: the table as float16 (no quantized embeddings there), still tied; GGUF: the
+    table as Q8_0 token_embd and no output.weight (llama.cpp's tied head), equal to qlite's table."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    notes = export_checkpoint(shared_table, "compressed-tensors", tmp_path / "ct", progress=False)
+    assert notes == ["embeddings (int8) written as float16: compressed-tensors stores no quantized embeddings"]
+    assert json.loads((tmp_path / "ct" / "config.json").read_text())["tie_word_embeddings"] is True
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(IDS).logits
+    assert (theirs - logits(shared_table, IDS)).abs().max() < 1e-2  # the table rounded to float16 once
+
+    table = load_model(shared_table, dtype="float32", kernel="reference").model.embed_tokens
+    dense = table.fmt.dequantize(table.stored(), table.embedding_dim)
+    notes = export_checkpoint(shared_table, "gptq", tmp_path / "gptq", progress=False)
+    assert notes[0] == "embeddings (int8) written as float16: GPTQ stores no quantized embeddings"
+    assert torch.equal(load_file(tmp_path / "gptq" / "model.safetensors")["model.embed_tokens.weight"], dense.half())
+    assert main(["export", str(shared_table), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    found = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert "output.weight" not in found and found["token_embd.weight"].tensor_type.name == "Q8_0"
+    t = found["token_embd.weight"]
+    w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+    assert np.array_equal(w, dense.numpy())
 
 
 # --- refused ------------------------------------------------------------------------------------------
