@@ -14,14 +14,13 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.config import load_config
 from qlite.errors import QliteError
+from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import decoder_linear_bits_per_weight, format_name
 from qlite.loader import load_model
 from qlite.outputs import write_file_atomic
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
 
-from .data import chunk_tokens
-from .metrics import Fidelity, token_stats
 
 SCORING = "every token after the first of each chunk is scored"
 DECODE_BATCH = 8  # chunks decoded side by side with --decode (each row's numerics are its own)

@@ -233,6 +233,8 @@ def info(model_dir):
               "format stores the table once")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="split the output into files of this size")
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
+@click.option("--no-report", is_flag=True, help="skip measuring KLD / top-1 / PPL ratio against SRC on the built-in "
+              "text for quantization_report.json (the recipe and sizes are written either way)")
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="round to nearest, or GPTQ calibrated one decoder layer at a time")
 @click.option("--calib-data", default="builtin", show_default=True, help="GPTQ: builtin (code + prose) or a text file")
@@ -241,7 +243,7 @@ def info(model_dir):
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
 @click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
 def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
-             method, calib_data, nsamples, seqlen, act_order, damp):
+             no_report, method, calib_data, nsamples, seqlen, act_order, damp):
     """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
     calibrated with GPTQ one decoder layer at a time."""
     bits = int(bits)
@@ -251,7 +253,7 @@ def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, 
                    else scheme, skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
                    lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
                    embed_bits=int(embed_bits) if embed_bits else None)
-    writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"))
+    writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
     if method == "gptq":
         from quantize.calibrate import gptq_convert
         summary = gptq_convert(src, out, calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order,

@@ -1,12 +1,14 @@
 """`qlite info`: what a checkpoint dir holds, read from config and safetensors headers only."""
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from .checkpoint import CheckpointDir
 
+REPORT_NAME = "quantization_report.json"  # written by quantize/report.py
 DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(?!bias$)\w+")
 
 
@@ -55,4 +57,25 @@ def describe(model_dir: str | Path) -> str:
         lines.append(f"  {dtype:<6} {b:>16,} bytes")
     lines.append(f"format         {format_name(cfg)}")
     lines.append(f"decoder linears {decoder_linear_bits_per_weight(ckpt):.3f} bits per weight")
+    report = ckpt.path / REPORT_NAME
+    if report.is_file():
+        lines += report_lines(report)
     return "\n".join(lines)
+
+
+def report_lines(path: Path) -> list[str]:
+    """The quantization report's recipe and fidelity, as `qlite info` prints them."""
+    try:
+        report = json.loads(path.read_text())
+        formats = Counter(report["recipe"].values())
+        lines = ["recipe         " + ", ".join(f"{fmt} x {n}" for fmt, n in formats.most_common())]
+        fidelity = report["fidelity"]
+        if fidelity is None:
+            return lines + ["fidelity       not measured (quantized with --no-report)"]
+        for text, m in fidelity["texts"].items():
+            lines.append(f"{text + ' text':<14} KLD {m['kld_mean']:.4f} ± {m['kld_mean_err']:.4f} (p99 {m['kld_p99']:.3f}), "
+                         f"top-1 {100 * m['top1']:.1f}%, PPL ratio {m['ppl_ratio']:.3f} ± {m['ppl_ratio_err']:.3f} "
+                         f"({m['tokens']} tokens, measured at quantize time)")
+        return lines
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return [f"report         {path}: unreadable (not a qlite quantization report)"]

@@ -11,7 +11,7 @@ from .backends import backend_named, use_backend
 from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
 from .errors import QliteError
 from .memory import large_allocations_from_mmap, release_freed_memory
-from .model import SHARED_BY_PARTS, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
+from .model import SHARED_BY_PARTS, DecoderLayer, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
 
 
@@ -87,6 +87,15 @@ def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], 
             state[key] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
         state[key][row:row + t.shape[0]] = t
     return state
+
+
+def float_layer(ckpt: CheckpointDir, cfg, i: int) -> DecoderLayer:
+    """Decoder layer i of a 16-bit checkpoint alone, in float32 (cfg: the config without quantization):
+    GPTQ's calibration and the quantization report run the source one layer at a time."""
+    layer = DecoderLayer(cfg, i)
+    layer.load_state_dict({key: torch.cat([ckpt.read(f"model.layers.{i}.{name}").float() for name, _ in parts])
+                           for key, parts in checkpoint_layout(layer).items()})
+    return layer
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",

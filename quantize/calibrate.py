@@ -20,7 +20,8 @@ from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import IntFormat
 from qlite.memory import PeakAnonSampler
-from qlite.model import DecoderLayer, Linear, RMSNorm, Rotary, Step, checkpoint_layout, linear_parts
+from qlite.loader import float_layer
+from qlite.model import Linear, RMSNorm, Rotary, Step, linear_parts
 from qlite.qconfig import QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
@@ -86,10 +87,7 @@ def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples:
 
     for i in tqdm(range(cfg.num_hidden_layers), desc="gptq", unit="layer", disable=not progress):
         prefix = f"model.layers.{i}."
-        layer = DecoderLayer(cfg, i)
-        layout = checkpoint_layout(layer)
-        layer.load_state_dict({key: torch.cat([src.read(prefix + name).float() for name, _ in parts])
-                               for key, parts in layout.items()})
+        layer = float_layer(src, cfg, i)
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, Linear)}
         hessians = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
         hooks = [m.register_forward_hook(lambda m, inp, _, n=n: hessian_update(hessians[n], inp[0]))
@@ -116,7 +114,7 @@ def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples:
 
 def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: str = "builtin", nsamples: int = 128,
                  seqlen: int = 512, act_order: bool = False, damp: float = 0.01, force: bool = False,
-                 max_shard_bytes: int = 2 << 30, progress: bool = True, **options) -> Summary:
+                 max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True, **options) -> Summary:
     """Quantize a checkpoint dir with GPTQ (formats from `qconfig` or QuantConfig.from_options(**options),
     as for convert); returns the converter's Summary."""
     if nsamples < 1 or seqlen < 2:
@@ -135,7 +133,7 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
         raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:
         weights = gptq_weights(plan.src, qconfig, calib, nsamples, seqlen, act_order, damp, progress)
-        write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
-                        else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
-                        force, max_shard_bytes, progress)
-    return plan.summary(out, time.perf_counter() - t0, mem.peak)
+        written = write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
+                                  else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
+                                  force, max_shard_bytes, progress, report)
+    return plan.summary(out, time.perf_counter() - t0, mem.peak, written["fidelity"])

@@ -23,6 +23,7 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import Format
+from qlite.info import REPORT_NAME
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from qlite.outputs import atomic_output_dir, check_output
@@ -59,13 +60,13 @@ class Plan:
                 bits += job.fmt.bits_per_weight(cols) * rows * cols
         return bits / n if n else None
 
-    def summary(self, out_dir: Path, seconds: float, peak_anon: int) -> "Summary":
+    def summary(self, out_dir: Path, seconds: float, peak_anon: int, fidelity: dict | None = None) -> "Summary":
         params = sum(math.prod(info.shape) for info in self.src.tensors.values())
         return Summary(out_dir, len(self.specs), sum(j.fmt is not None for j in self.jobs), self.src.nbytes,
                        sum(s.nbytes for s in self.specs), params, self.bits_per_weight("linears") or 16.0,
                        self.bits_per_weight("lm_head"), self.bits_per_weight("embeddings"),
                        self.qconfig.shares_table(self.src.config.tie_word_embeddings), seconds, peak_anon,
-                       peak_rss_bytes())
+                       peak_rss_bytes(), fidelity)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Summary:
     seconds: float
     peak_anon_bytes: int
     peak_rss_bytes: int
+    fidelity: dict | None = None  # the report's measurement (None: not measured)
 
     @property
     def bits_per_parameter(self) -> float:
@@ -100,7 +102,15 @@ class Summary:
                 + (", lm_head is the embedding table" if self.head_is_table
                    else f", {self.head_bits_per_weight:.3f} in lm_head" if self.head_bits_per_weight else ", lm_head 16-bit")
                 + f", {self.seconds:.1f} s, peak memory {self.peak_anon_bytes / mib:.0f} MiB anonymous "
-                f"({self.peak_rss_bytes / mib:.0f} MiB RSS with mapped source pages)")
+                f"({self.peak_rss_bytes / mib:.0f} MiB RSS with mapped source pages)" + self.fidelity_text())
+
+    def fidelity_text(self) -> str:
+        if self.fidelity is None:
+            return "\nfidelity not measured (--no-report)"
+        texts = ", ".join(f"{text} KLD {m['kld_mean']:.4f}, top-1 {100 * m['top1']:.1f}%, PPL ratio {m['ppl_ratio']:.3f}"
+                          for text, m in self.fidelity["texts"].items())
+        return (f"\nfidelity against the source ({self.fidelity['chunks']} x {self.fidelity['ctx']} tokens of each "
+                f"built-in text, {self.fidelity['seconds']:.0f} s): {texts}; in {REPORT_NAME}")
 
 
 def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
@@ -160,8 +170,12 @@ def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantCon
 
 
 def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str, torch.Tensor]], force: bool = False,
-                    max_shard_bytes: int = 2 << 30, progress: bool = True) -> None:
-    """Write the plan's output dir; `stored_for(job)` gives a quantized job's stored tensors by suffix."""
+                    max_shard_bytes: int = 2 << 30, progress: bool = True, fidelity: bool = True) -> dict:
+    """Write the plan's output dir; `stored_for(job)` gives a quantized job's stored tensors by suffix.
+    The dir includes its report (quantize/report.py; fidelity: measured, else recipe and sizes only),
+    which is returned."""
+    from .report import write_report
+
     large_allocations_from_mmap()  # freed tensors go back to the OS at once: memory stays one tensor deep
 
     def produce():
@@ -180,19 +194,21 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
             shutil.copyfile(f.resolve(), tmp / f.name)  # the bytes, as a regular file
         config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        return write_report(plan, tmp, fidelity)
 
 
 def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig | None = None, *,
-            force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True, **options) -> Summary:
+            force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
+            **options) -> Summary:
     """Quantize the checkpoint dir `src` into `out` (default: src plus a suffix such as -int4-g128) by
     round to nearest on each format's grid (bitsandbytes' own quantizer for its formats). The formats
     come from `qconfig`, or from QuantConfig.from_options(**options) (bits, group_size, symmetric,
-    scheme, lm_head_bits, skip)."""
+    scheme, lm_head_bits, embed_bits, skip). report: measure fidelity for the report (quantize/report.py)."""
     t0 = time.perf_counter()
     qconfig = qconfig or QuantConfig.from_options(**options)
     src, out = source_and_output(src, out, qconfig, force)
     plan = plan_conversion(src, qconfig)
     with PeakAnonSampler() as mem:
-        write_quantized(plan, out, lambda job: job.fmt.quantize(plan.src.read(job.source)), force,
-                        max_shard_bytes, progress)
-    return plan.summary(out, time.perf_counter() - t0, mem.peak)
+        written = write_quantized(plan, out, lambda job: job.fmt.quantize(plan.src.read(job.source)), force,
+                                  max_shard_bytes, progress, report)
+    return plan.summary(out, time.perf_counter() - t0, mem.peak, written["fidelity"])

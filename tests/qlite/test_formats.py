@@ -3,7 +3,7 @@ dequantize round trip (SQNR floors that fail when the math is wrong), names and 
 import pytest
 import torch
 
-from eval.metrics import sqnr_db
+from qlite.fidelity import sqnr_db
 from qlite.errors import QliteError
 from qlite.formats import REGISTRY, Int4, Int8, format_for_fields, format_named, pack_int4, unpack_int4
 

@@ -64,6 +64,7 @@ def test_gptq_with_quantized_embeddings_rounds_the_table_to_nearest(setup, tmp_p
     gptq = gptq_convert(base, tmp_path / "gptq", calib=str(text), nsamples=2, seqlen=32, **kw)
     rtn = convert(base, tmp_path / "rtn", **kw).out_dir
     assert gptq.embed_bits_per_weight == pytest.approx(4 + 24 / 32)
+    assert gptq.fidelity["texts"]["prose"]["tokens"] > 0  # GPTQ's output carries its report too
     ours, theirs = load_file(gptq.out_dir / "model.safetensors"), load_file(rtn / "model.safetensors")
     for suffix in ("qweight", "scales", "zeros"):
         assert torch.equal(ours[f"model.embed_tokens.{suffix}"], theirs[f"model.embed_tokens.{suffix}"])

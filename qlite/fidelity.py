@@ -1,7 +1,8 @@
 """Fidelity of a model's next-token distributions to a baseline's, on the same tokens: the statistics
 llama.cpp's `perplexity --kl-divergence` reports (perplexity of both, their ratio with its
 uncertainty, KL divergence and its percentiles, top-1 agreement, change in the correct token's
-probability). Per-token values are collected chunk by chunk, summaries computed at the end."""
+probability). Per-token values are collected chunk by chunk, summaries computed at the end.
+`qlite eval` and the quantization report (quantize/report.py) both measure with these."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .errors import QliteError
+
+
+def chunk_tokens(ids: list[int], ctx: int, max_chunks: int | None = None) -> list[list[int]]:
+    """Consecutive, non-overlapping windows of exactly ctx tokens (a short tail is dropped)."""
+    if ctx < 2:
+        raise QliteError(f"--ctx {ctx}: must be at least 2")
+    chunks = [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+    if not chunks:
+        raise QliteError(f"the text has {len(ids)} tokens, fewer than one --ctx {ctx} chunk")
+    return chunks[:max_chunks] if max_chunks else chunks
 
 
 def token_stats(base_logp: torch.Tensor, model_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:

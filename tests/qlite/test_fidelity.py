@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval.data import chunk_tokens
 from qlite.texts import load_text
-from eval.metrics import Fidelity, token_stats
+from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.errors import QliteError
 
 

@@ -1,0 +1,112 @@
+"""The fidelity report every quantized checkpoint carries (quantization_report.json): the recipe
+(format per quantizable module), bytes, bits per parameter, and what quantizing cost, measured at
+quantize time on the built-in eval text (disjoint from the calibration text): KLD, top-1 agreement
+and PPL ratio against the source, as `qlite eval` measures them.
+
+The source runs one float32 decoder layer at a time, streamed from its files as GPTQ's calibration
+does, so measuring never holds the 16-bit model; the quantized model is loaded whole (it is the
+small one) and runs as `qlite eval` runs it (default dtype and kernels)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from qlite.checkpoint import CheckpointDir
+from qlite.fidelity import Fidelity, chunk_tokens, token_stats
+from qlite.info import REPORT_NAME
+from qlite.loader import float_layer, load_model
+from qlite.model import RMSNorm, Rotary, Step
+from qlite.qconfig import EMBEDDINGS
+from qlite.texts import load_text
+from qlite.tokenizer import Tokenizer
+
+REPORT_VERSION = 1
+TEXTS = ("code", "prose")  # eval's built-in texts
+CHUNKS, CTX = 2, 512  # per text: 2 x 512 tokens (ctx capped at the model's context)
+ROWS = 128  # tokens whose vocabulary-wide float32 statistics are computed together
+
+
+def recipe(plan) -> dict[str, str]:
+    """Every quantizable module (decoder linears, lm_head, embeddings) -> its format, or 16-bit."""
+    formats = {}
+    for job in plan.jobs:
+        module = job.module.removesuffix(".weight")
+        if module == "lm_head" or module == EMBEDDINGS or job.source.endswith("_proj.weight"):
+            formats[module] = job.fmt.name if job.fmt else "16-bit"
+    if plan.qconfig.shares_table(plan.src.config.tie_word_embeddings):
+        formats["lm_head"] = f"{formats[EMBEDDINGS]} (the embedding table)"
+    return formats
+
+
+@torch.inference_mode()
+def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS) -> dict:
+    """Fidelity of the checkpoint at `quantized` against `src` on each built-in text."""
+
+    t0 = time.perf_counter()
+    cfg = dataclasses.replace(src.config, quantization=None)
+    ctx = min(CTX, cfg.max_position_embeddings)
+    tokenizer = Tokenizer(src.path)
+    ids = {text: torch.tensor(chunk_tokens(leading_tokens(tokenizer, load_text(text), chunks * ctx), ctx, chunks))
+           for text in TEXTS}  # (chunks, ctx) each: the chunks `qlite eval --max-chunks` scores
+    every = torch.cat(list(ids.values()))  # (texts x chunks, ctx): the reference runs them together
+    x = torch.nn.functional.embedding(every, src.read(f"{EMBEDDINGS}.weight").float())  # (rows, ctx, hidden)
+    step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(ctx)[None]), None, None, 0)
+    for i in range(cfg.num_hidden_layers):
+        x = float_layer(src, cfg, i)(x, step)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.copy_(src.read("model.norm.weight").float())
+    x = norm(x)
+    head = src.read(f"{EMBEDDINGS}.weight" if cfg.tie_word_embeddings else "lm_head.weight")  # (vocab, hidden), stored dtype
+
+    model = load_model(quantized)
+    texts, row = {}, 0
+    for text, t in ids.items():
+        fidelity = Fidelity()
+        for b in range(t.shape[0]):
+            logits = model(t[b:b + 1])[0, :-1]  # (ctx - 1, vocab): one chunk at a time
+            for r in range(0, ctx - 1, ROWS):  # the float32 statistics ROWS tokens at a time
+                end = min(r + ROWS, ctx - 1)
+                base_logp = torch.log_softmax(float32_logits(x[row + b, r:end], head), dim=-1)  # (end - r, vocab)
+                fidelity.add(token_stats(base_logp, logits[r:end], t[b, 1 + r:1 + end]))
+        row += t.shape[0]
+        s = fidelity.summary()
+        texts[text] = {k: s[k] for k in ("tokens", "kld_mean", "kld_mean_err", "kld_p99", "top1", "ppl_ratio",
+                                         "ppl_ratio_err")}
+    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0, 1),
+            "how": "source in float32, one layer at a time; the checkpoint as `qlite eval` runs it "
+                   "(default dtype and kernels); every token after the first of each chunk scored"}
+
+
+def leading_tokens(tokenizer: Tokenizer, text: str, n: int, spare: int = 64) -> list[int]:
+    """The first n tokens of text (all of them if fewer), encoding only a prefix when it holds them
+    with `spare` tokens to spare: cutting the text changes only the tokens next to the cut."""
+    chars = 8 * (n + spare)
+    while chars < len(text):
+        ids = tokenizer.encode(text[:chars])
+        if len(ids) >= n + spare:
+            return ids[:n]
+        chars *= 2
+    return tokenizer.encode(text)[:n]
+
+
+def float32_logits(x: torch.Tensor, head: torch.Tensor, block: int = 16384) -> torch.Tensor:
+    """x (T, hidden) @ head.T in float32, the head converted block by block of vocabulary rows (a
+    float32 copy of a 152k-row head would be twice the stored one)."""
+    return torch.cat([x @ head[v:v + block].float().T for v in range(0, head.shape[0], block)], dim=-1)
+
+
+def write_report(plan, out: Path, fidelity: bool) -> dict:
+    """quantization_report.json in `out` (the finished output dir, before it is moved into place)."""
+    stored = CheckpointDir(out)
+    nbytes = sum(t.nbytes for t in stored.tensors.values())
+    params = sum(torch.Size(info.shape).numel() for info in plan.src.tensors.values())
+    report = {"report_version": REPORT_VERSION, "source": plan.src.path.name, "quantization": plan.qconfig.describe(),
+              "recipe": recipe(plan), "bytes": nbytes, "parameters": params,
+              "bits_per_parameter": round(8 * nbytes / params, 4),
+              "fidelity": measure(plan.src, out) if fidelity else None}
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    return report
