@@ -21,6 +21,7 @@ from qlite.outputs import write_file_atomic
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
 
+from .gguf_peer import GgufPeer, describe_gguf, is_gguf
 
 SCORING = "every token after the first of each chunk is scored"
 DECODE_BATCH = 8  # chunks decoded side by side with --decode (each row's numerics are its own)
@@ -38,6 +39,8 @@ class Row:
 
 def describe_model(model_dir: Path) -> tuple[str, float, float]:
     """(format, decoder-linear bits per weight, size on disk in MiB)."""
+    if is_gguf(model_dir):
+        return describe_gguf(model_dir)
     ckpt = CheckpointDir(model_dir)
     size = sum(f.stat().st_size for f in ckpt.files()) / 2**20
     return format_name(ckpt.config), decoder_linear_bits_per_weight(ckpt), size
@@ -58,7 +61,8 @@ def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_chunks: int | None = None,
              dtype: str = "auto", baseline_dtype: str = "float32", progress: bool = True, kernel: str = "auto",
              decode: bool = False) -> list[Row]:
-    """decode: the models' logits come one token at a time (decode_logits), the baseline's in one pass."""
+    """decode: the models' logits come one token at a time (decode_logits), the baseline's in one pass.
+    A model that is a .gguf file is a llama.cpp peer (eval/gguf_peer.py), scored on the same tokens."""
     from tqdm import tqdm
 
     baseline = Path(baseline)
@@ -69,12 +73,17 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
         raise QliteError(f"--ctx {ctx}: longer than the model's context {base_cfg.max_position_embeddings}")
     base_tokenizer = _file_hash(baseline / "tokenizer.json")
     for d in model_dirs:
+        if is_gguf(d):
+            if decode:
+                raise QliteError(f"--decode: {d} is a GGUF; llama.cpp rows are scored in one pass per chunk")
+            continue  # GgufPeer checks its vocabulary and tokenizer
         cfg = load_config(d)
         if cfg.vocab_size != base_cfg.vocab_size or _file_hash(d / "tokenizer.json") != base_tokenizer:
             raise QliteError(f"{d}: its tokenizer differs from the baseline's ({baseline}); "
                              "the models must score the same tokens")
     base = load_model(baseline, dtype=baseline_dtype)
-    models = [(d, load_model(d, dtype=dtype, kernel=kernel)) for d in model_dirs]
+    models = [(d, GgufPeer(d, ctx, tokenizer, base_cfg.vocab_size) if is_gguf(d)
+               else load_model(d, dtype=dtype, kernel=kernel)) for d in model_dirs]
     described = {d: describe_model(d) for d in model_dirs}
     rows = []
     for source in data:

@@ -308,7 +308,8 @@ def check_writable(path: Path | None, flag: str) -> None:
 def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, kernel, decode,
              json_path, md_path):
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
-    --tasks whether their greedy answers to code tasks still pass hidden tests."""
+    --tasks whether their greedy answers to code tasks still pass hidden tests. A MODEL_DIR that is a
+    .gguf file is scored by llama.cpp on the same tokens (needs the bench extra)."""
     from eval.run import evaluate, how_run, write_reports
 
     check_writable(json_path, "--json")
@@ -319,6 +320,9 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     code_tasks = None
     if tasks:
         from eval.code_tasks import load_tasks
+        ggufs = [d for d in model_dirs if d.suffix.lower() == ".gguf"]
+        if ggufs:
+            raise QliteError(f"--tasks: {ggufs[0]} is a GGUF; code tasks run qlite checkpoints (score GGUFs with --data)")
         code_tasks = load_tasks(tasks)[:max_tasks]
     rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype, kernel=kernel,
                     decode=decode) if data else []

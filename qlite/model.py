@@ -241,6 +241,8 @@ class Qwen2Model(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         fmt = cfg.quantization.embeddings if cfg.quantization else None
+        if fmt is not None:
+            fmt.check(cfg.hidden_size, "model.embed_tokens")
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if fmt is None
                              else QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))

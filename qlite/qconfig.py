@@ -6,10 +6,10 @@ The per-module rules, all of them:
 - lm_head takes `lm_head` (its own format, or None for 16-bit); from the flags: --lm-head-bits 8 is
   int8 per output row, 4 is int4 with --group-size (128 if not given) and --symmetric, 16 keeps it;
 - the token embeddings take `embeddings` (None: 16-bit), from --embed-bits by the same rule (int8 per
-  row by default, 16-bit for bitsandbytes' formats); a lookup
-  dequantizes only the rows it reads. A tied checkpoint whose embeddings and lm_head have the same
-  format (both 16-bit, or both int8, ...) stores the table once, as model.embed_tokens, and the head
-  uses it; with different formats the head is stored as its own lm_head;
+  row by default, 16-bit for bitsandbytes' formats); a lookup dequantizes only the rows it reads. A
+  tied checkpoint whose embeddings and lm_head have the same format (both 16-bit, or both int8, ...)
+  stores the table once, as model.embed_tokens, and the head uses it; with different formats the head
+  is stored as its own lm_head;
 - a module whose dotted name contains a `skip` substring stays 16-bit;
 - everything else (norms, biases) stays 16-bit.
 With `input_order` (imported act-order GPTQ / compressed-tensors checkpoints), every quantized linear

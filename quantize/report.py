@@ -45,7 +45,6 @@ def recipe(plan) -> dict[str, str]:
 @torch.inference_mode()
 def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS) -> dict:
     """Fidelity of the checkpoint at `quantized` against `src` on each built-in text."""
-
     t0 = time.perf_counter()
     cfg = dataclasses.replace(src.config, quantization=None)
     ctx = min(CTX, cfg.max_position_embeddings)

@@ -139,6 +139,10 @@ def test_checkpoint_group_size_that_does_not_divide_names_the_config_not_a_flag(
     line = fails_cleanly(capsys, tmp_path, ["generate", "-m", q, "-p", "hi"], f"{q / 'config.json'}",
                          "group size 48 does not divide")
     assert "--group-size" not in line
+    cfg["quantization_config"].update(group_size=32, embed_format="int4-g48")  # the table's own format
+    (q / "config.json").write_text(json.dumps(cfg))
+    fails_cleanly(capsys, tmp_path, ["generate", "-m", q, "-p", "hi"], f"{q / 'config.json'}",
+                  "group size 48 does not divide model.embed_tokens")
 
 
 def test_sampling_value_from_generation_config_names_that_file(capsys, ckpt, tmp_path):
