@@ -128,7 +128,7 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
             raise QliteError(f"--method gptq makes qlite's int formats, not {fmt.name}")
     t0 = time.perf_counter()
     src, out = source_and_output(src, out, qconfig, force)
-    plan = plan_conversion(src, qconfig)  # everything checked before the long calibration
+    plan = plan_conversion(src, qconfig, report)  # everything checked before the long calibration
     if seqlen > src.config.max_position_embeddings:
         raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:

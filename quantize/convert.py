@@ -120,7 +120,8 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
     return checkpoint_shapes(checkpoint_layout(model))
 
 
-def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
+def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = False) -> Plan:
+    """report: the source must also hold what the fidelity report reads (its tokenizer)."""
     cfg = src.config
     if cfg.quantization is not None:
         raise QliteError(f"{src.path / 'config.json'}: already quantized; quantize the 16-bit checkpoint")
@@ -154,6 +155,9 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig) -> Plan:
             raise QliteError(f"--group-size: {e}") from None
         for suffix, (dtype, shape) in job.fmt.stored_shapes(*info.shape).items():
             specs.append(TensorSpec(f"{job.module}.{suffix}", dtype, shape))
+    if report:
+        from .report import check_source
+        check_source(src)
     return Plan(src, qconfig, jobs, specs, src.side_files())
 
 
@@ -207,7 +211,7 @@ def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig
     t0 = time.perf_counter()
     qconfig = qconfig or QuantConfig.from_options(**options)
     src, out = source_and_output(src, out, qconfig, force)
-    plan = plan_conversion(src, qconfig)
+    plan = plan_conversion(src, qconfig, report)
     with PeakAnonSampler() as mem:
         written = write_quantized(plan, out, lambda job: job.fmt.quantize(plan.src.read(job.source)), force,
                                   max_shard_bytes, progress, report)

@@ -30,6 +30,11 @@ CHUNKS, CTX = 2, 512  # per text: 2 x 512 tokens (ctx capped at the model's cont
 ROWS = 128  # tokens whose vocabulary-wide float32 statistics are computed together
 
 
+def check_source(src: CheckpointDir) -> None:
+    """What measuring will read besides the tensors (the tokenizer files), checked before any work."""
+    Tokenizer(src.path)
+
+
 def recipe(plan) -> dict[str, str]:
     """Every quantizable module (decoder linears, lm_head, embeddings) -> its format, or 16-bit."""
     formats = {}

@@ -78,3 +78,15 @@ def test_leading_tokens_equal_the_whole_texts_first_tokens(src):
         whole = tokenizer.encode(load_text(text))
         assert leading_tokens(tokenizer, load_text(text), 1000) == whole[:1000]
     assert leading_tokens(tokenizer, "a b c", 1000) == tokenizer.encode("a b c")  # shorter than asked
+
+
+def test_a_tokenizer_the_report_cannot_read_is_named_before_any_work(src, tmp_path, capsys):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    (broken / "tokenizer_config.json").write_bytes(b"\xff{")
+    assert main(["quantize", str(broken), "--out", str(tmp_path / "q"), "--group-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {broken / 'tokenizer_config.json'}: not UTF-8 text"]
+    assert not (tmp_path / "q").exists()
+    assert main(["quantize", str(broken), "--out", str(tmp_path / "q"), "--group-size", "32", "--no-report"]) == 0
