@@ -71,7 +71,7 @@ def report_lines(path: Path) -> list[str]:
         lines = ["recipe         " + ", ".join(f"{fmt} x {n}" for fmt, n in formats.most_common())]
         fidelity = report["fidelity"]
         if fidelity is None:
-            return lines + ["fidelity       not measured (quantized with --no-report)"]
+            return lines + [f"fidelity       not measured ({report.get('not_measured') or '--no-report'})"]
         for text, m in fidelity["texts"].items():
             lines.append(f"{text + ' text':<14} KLD {m['kld_mean']:.4f} ± {m['kld_mean_err']:.4f} (p99 {m['kld_p99']:.3f}), "
                          f"top-1 {100 * m['top1']:.1f}%, PPL ratio {m['ppl_ratio']:.3f} ± {m['ppl_ratio_err']:.3f} "

@@ -136,4 +136,4 @@ def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: st
         written = write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
                                   else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
                                   force, max_shard_bytes, progress, report)
-    return plan.summary(out, time.perf_counter() - t0, mem.peak, written["fidelity"])
+    return plan.summary(out, time.perf_counter() - t0, mem.peak, written)

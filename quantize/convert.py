@@ -60,13 +60,13 @@ class Plan:
                 bits += job.fmt.bits_per_weight(cols) * rows * cols
         return bits / n if n else None
 
-    def summary(self, out_dir: Path, seconds: float, peak_anon: int, fidelity: dict | None = None) -> "Summary":
+    def summary(self, out_dir: Path, seconds: float, peak_anon: int, report: dict | None = None) -> "Summary":
         params = sum(math.prod(info.shape) for info in self.src.tensors.values())
         return Summary(out_dir, len(self.specs), sum(j.fmt is not None for j in self.jobs), self.src.nbytes,
                        sum(s.nbytes for s in self.specs), params, self.bits_per_weight("linears") or 16.0,
                        self.bits_per_weight("lm_head"), self.bits_per_weight("embeddings"),
                        self.qconfig.shares_table(self.src.config.tie_word_embeddings), seconds, peak_anon,
-                       peak_rss_bytes(), fidelity)
+                       peak_rss_bytes(), (report or {}).get("fidelity"), (report or {}).get("not_measured"))
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Summary:
     peak_anon_bytes: int
     peak_rss_bytes: int
     fidelity: dict | None = None  # the report's measurement (None: not measured)
+    not_measured: str | None = None  # why not
 
     @property
     def bits_per_parameter(self) -> float:
@@ -106,7 +107,7 @@ class Summary:
 
     def fidelity_text(self) -> str:
         if self.fidelity is None:
-            return "\nfidelity not measured (--no-report)"
+            return f"\nfidelity not measured ({self.not_measured or '--no-report'})"
         texts = ", ".join(f"{text} KLD {m['kld_mean']:.4f}, top-1 {100 * m['top1']:.1f}%, PPL ratio {m['ppl_ratio']:.3f}"
                           for text, m in self.fidelity["texts"].items())
         return (f"\nfidelity against the source ({self.fidelity['chunks']} x {self.fidelity['ctx']} tokens of each "
@@ -156,8 +157,8 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = Fal
         for suffix, (dtype, shape) in job.fmt.stored_shapes(*info.shape).items():
             specs.append(TensorSpec(f"{job.module}.{suffix}", dtype, shape))
     if report:
-        from .report import check_source
-        check_source(src)
+        from .report import can_measure
+        can_measure(src)
     return Plan(src, qconfig, jobs, specs, src.side_files())
 
 
@@ -215,4 +216,4 @@ def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig
     with PeakAnonSampler() as mem:
         written = write_quantized(plan, out, lambda job: job.fmt.quantize(plan.src.read(job.source)), force,
                                   max_shard_bytes, progress, report)
-    return plan.summary(out, time.perf_counter() - t0, mem.peak, written["fidelity"])
+    return plan.summary(out, time.perf_counter() - t0, mem.peak, written)

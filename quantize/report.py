@@ -30,9 +30,13 @@ CHUNKS, CTX = 2, 512  # per text: 2 x 512 tokens (ctx capped at the model's cont
 ROWS = 128  # tokens whose vocabulary-wide float32 statistics are computed together
 
 
-def check_source(src: CheckpointDir) -> None:
-    """What measuring will read besides the tensors (the tokenizer files), checked before any work."""
+def can_measure(src: CheckpointDir) -> bool:
+    """Whether SRC has a tokenizer to measure with (a weights-only dir has none: the report then holds
+    the recipe and sizes); one that is there but broken is an error now, before any work."""
+    if not (src.path / "tokenizer.json").exists():
+        return False
     Tokenizer(src.path)
+    return True
 
 
 def recipe(plan) -> dict[str, str]:
@@ -105,12 +109,14 @@ def float32_logits(x: torch.Tensor, head: torch.Tensor, block: int = 16384) -> t
 
 def write_report(plan, out: Path, fidelity: bool) -> dict:
     """quantization_report.json in `out` (the finished output dir, before it is moved into place)."""
+    measurable = fidelity and can_measure(plan.src)
     stored = CheckpointDir(out)
     nbytes = sum(t.nbytes for t in stored.tensors.values())
     params = sum(torch.Size(info.shape).numel() for info in plan.src.tensors.values())
     report = {"report_version": REPORT_VERSION, "source": plan.src.path.name, "quantization": plan.qconfig.describe(),
               "recipe": recipe(plan), "bytes": nbytes, "parameters": params,
               "bits_per_parameter": round(8 * nbytes / params, 4),
-              "fidelity": measure(plan.src, out) if fidelity else None}
+              "fidelity": measure(plan.src, out) if measurable else None,
+              "not_measured": None if measurable else "SRC has no tokenizer.json" if fidelity else "--no-report"}
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2))
     return report

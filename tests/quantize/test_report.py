@@ -48,7 +48,7 @@ def test_no_report_measures_nothing_and_info_says_so(src, tmp_path, capsys):
     assert json.loads((tmp_path / "q" / REPORT_NAME).read_text())["fidelity"] is None
     assert main(["info", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
-    assert "recipe         int4-g32 x 14, int8 x 2" in out and "not measured (quantized with --no-report)" in out
+    assert "recipe         int4-g32 x 14, int8 x 2" in out and "fidelity       not measured (--no-report)" in out
 
 
 def test_info_prints_the_fidelity_and_survives_a_broken_report(src, tmp_path, capsys):
@@ -90,3 +90,14 @@ def test_a_tokenizer_the_report_cannot_read_is_named_before_any_work(src, tmp_pa
     assert err.strip().splitlines() == [f"error: {broken / 'tokenizer_config.json'}: not UTF-8 text"]
     assert not (tmp_path / "q").exists()
     assert main(["quantize", str(broken), "--out", str(tmp_path / "q"), "--group-size", "32", "--no-report"]) == 0
+
+
+def test_a_source_without_tokenizer_gets_a_report_without_fidelity(src, tmp_path):
+    import shutil
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    (bare / "tokenizer.json").unlink()
+    summary = convert(bare, tmp_path / "q", bits=4, group_size=32, progress=False)
+    report = json.loads((summary.out_dir / REPORT_NAME).read_text())
+    assert report["fidelity"] is None and report["not_measured"] == "SRC has no tokenizer.json"
+    assert "fidelity not measured (SRC has no tokenizer.json)" in str(summary)
