@@ -242,18 +242,43 @@ def info(model_dir):
 @click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
 @click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
-def quantize(src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
-             no_report, method, calib_data, nsamples, seqlen, act_order, damp):
+@click.option("--target-bpw", type=Number(float, 0, low_open=True, rule="> 0"),
+              help="choose a format for every tensor (int4-g128/g64, int8, int8-g32, 16-bit) by its measured "
+              "sensitivity: the least-KLD mix whose tensors take at most this many bits per parameter (minutes)")
+@click.option("--target-kld", type=Number(float, 0, low_open=True, rule="> 0"),
+              help="the smallest mix whose mean KLD on each built-in text (as the report measures it) is at most "
+              "this, found by writing and measuring a few mixes (minutes)")
+@click.pass_context
+def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
+             no_report, method, calib_data, nsamples, seqlen, act_order, damp, target_bpw, target_kld):
     """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
-    calibrated with GPTQ one decoder layer at a time."""
+    calibrated with GPTQ one decoder layer at a time, or to a size budget (--target-bpw)."""
+    skips = tuple(s.strip() for s in skip.split(",") if s.strip())
+    writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
+    if target_bpw is not None or target_kld is not None:
+        flag = "--target-bpw" if target_bpw is not None else "--target-kld"
+        names = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits", "method", "calib_data",
+                 "nsamples", "seqlen", "act_order", "damp") + (("target_kld",) if target_bpw is not None else ())
+        given = [f"--{name.replace('_', '-')}" for name in names
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if target_kld is not None and no_report:
+            given.append("--no-report")  # the report's measurement is what --target-kld aims at
+        if given:
+            raise QliteError(f"{flag} chooses every tensor's format (round to nearest); drop {', '.join(given)}"
+                             .replace("--scheme", "--format"))
+        from quantize.budget import budget_convert, kld_convert
+        summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, **writing) if target_bpw is not None
+                   else kld_convert(src, out, target_kld=target_kld, skip=skips, force=force,
+                                    max_shard_bytes=writing["max_shard_bytes"]))
+        click.echo(str(summary))
+        return
     bits = int(bits)
     if group_size is None and bits == 4 and scheme == "int":
         group_size = 128
     formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
-                   else scheme, skip=tuple(s.strip() for s in skip.split(",") if s.strip()),
+                   else scheme, skip=skips,
                    lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
                    embed_bits=int(embed_bits) if embed_bits else None)
-    writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
     if method == "gptq":
         from quantize.calibrate import gptq_convert
         summary = gptq_convert(src, out, calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order,

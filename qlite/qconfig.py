@@ -12,6 +12,9 @@ The per-module rules, all of them:
   is stored as its own lm_head;
 - a module whose dotted name contains a `skip` substring stays 16-bit;
 - everything else (norms, biases) stays 16-bit.
+A mixed checkpoint (`qlite quantize --target-bpw`) also holds `module_formats`: decoder linears by
+checkpoint name -> their own format name (null: 16-bit), which take precedence over `linear`. Such
+checkpoints are format_version 3 (with or without input_order), so an older qlite refuses them.
 With `input_order` (imported act-order GPTQ / compressed-tensors checkpoints), every quantized linear
 also stores `input_order` int32 [K]: its codes are stored in that column order, groups contiguous in
 it, and the layer reads x[..., input_order]. Such checkpoints are format_version 2, so a qlite that
@@ -27,13 +30,15 @@ from .formats import Format, Int4, Int8, format_for_fields, format_named
 
 FORMAT_VERSION = 1
 FORMAT_VERSION_INPUT_ORDER = 2  # written only when input_order is set
+FORMAT_VERSION_MIXED = 3  # written only when module_formats is set
+VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_INPUT_ORDER, FORMAT_VERSION_MIXED)
 QUANT_METHOD = "qlite"
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("rtn", "gptq", "bnb")
 EMBEDDINGS = "model.embed_tokens"
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
-               "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order"}
+               "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order", "module_formats"}
 
 
 def table_format(bits: int, group_size: int | None, symmetric: bool, flag: str = "--lm-head-bits") -> Format | None:
@@ -57,6 +62,7 @@ class QuantConfig:
     params: dict = field(default_factory=dict)  # the method's settings, recorded (GPTQ: act_order, damp, ...)
     input_order: bool = False  # quantized linears store a column order (see the module docstring)
     embeddings: Format | None = None  # None: 16-bit
+    module_formats: tuple[tuple[str, Format | None], ...] = ()  # decoder linears in their own format (None: 16-bit)
 
     @classmethod
     def from_options(cls, bits: int = 4, group_size: int | None = 128, symmetric: bool = False, scheme: str = "int",
@@ -83,11 +89,15 @@ class QuantConfig:
             hint = "; convert it once with `qlite import DIR --out DST`" if method in ("gptq", "compressed-tensors") else ""
             raise QliteError(f"{source}: quantization method {method!r} is not one qlite reads{hint}")
         version = q.get("format_version")
-        if version not in (FORMAT_VERSION, FORMAT_VERSION_INPUT_ORDER):
+        if version not in VERSIONS:
             raise QliteError(f"{source}: quantization format_version {version!r} is unknown to this qlite (it reads "
-                             f"versions {FORMAT_VERSION} and {FORMAT_VERSION_INPUT_ORDER}); upgrade qlite or re-quantize")
-        if bool(q.get("input_order", False)) != (version == FORMAT_VERSION_INPUT_ORDER):
-            raise QliteError(f"{source}: input_order goes with format_version {FORMAT_VERSION_INPUT_ORDER} only")
+                             f"versions {', '.join(map(str, VERSIONS))}); upgrade qlite or re-quantize")
+        order, mixed = bool(q.get("input_order", False)), bool(q.get("module_formats"))
+        if mixed != (version == FORMAT_VERSION_MIXED) or (order != (version == FORMAT_VERSION_INPUT_ORDER)
+                                                            and version != FORMAT_VERSION_MIXED):
+            raise QliteError(f"{source}: format_version {version} does not match the fields it holds "
+                             f"(input_order: {FORMAT_VERSION_INPUT_ORDER} or {FORMAT_VERSION_MIXED}, "
+                             f"module_formats: {FORMAT_VERSION_MIXED})")
         try:
             linear = format_for_fields(q.get("scheme", "int"), int(q["bits"]), q.get("group_size"),
                                        bool(q.get("symmetric", False)))
@@ -97,6 +107,12 @@ class QuantConfig:
                 bits = int(q.get("lm_head_bits", 16))
                 head = linear if bits == 4 and isinstance(linear, Int4) else table_format(bits, 128, False)
             embeddings = None if q.get("embed_format") is None else format_named(q["embed_format"])
+            mixed = q.get("module_formats") or {}
+            if not isinstance(mixed, dict) or not all(isinstance(k, str) and _DECODER_LINEAR.fullmatch(k)
+                                                      for k in mixed):
+                raise QliteError("module_formats must map decoder linears (model.layers.N.mlp.down_proj, ...) "
+                                 "to format names")
+            module_formats = tuple((k, None if v is None else format_named(v)) for k, v in mixed.items())
             modules, skip = tuple(q.get("modules", LINEAR_KINDS)), tuple(q.get("skip", ()))
         except QliteError as e:
             raise QliteError(f"{source}: {e}") from None
@@ -106,16 +122,19 @@ class QuantConfig:
             raise QliteError(f"{source}: quantization_config modules must be among {', '.join(LINEAR_KINDS)}")
         return cls(linear, head, str(q.get("method", "rtn")), modules, skip,
                    {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, bool(q.get("input_order", False)),
-                   embeddings)
+                   embeddings, module_formats)
 
     def to_dict(self) -> dict:
-        version = FORMAT_VERSION_INPUT_ORDER if self.input_order else FORMAT_VERSION
+        version = (FORMAT_VERSION_MIXED if self.module_formats else
+                   FORMAT_VERSION_INPUT_ORDER if self.input_order else FORMAT_VERSION)
         return {"quant_method": QUANT_METHOD, "format_version": version, "method": self.method,
                 **self.linear.fields(), "modules": list(self.modules),
                 "lm_head_bits": self.lm_head.bits if self.lm_head else 16,
                 "lm_head_format": self.lm_head.name if self.lm_head else None,
                 **({"embed_format": self.embeddings.name} if self.embeddings else {}), "skip": list(self.skip),
-                **({"input_order": True} if self.input_order else {}), **self.params}
+                **({"input_order": True} if self.input_order else {}),
+                **({"module_formats": {k: f.name if f else None for k, f in self.module_formats}}
+                   if self.module_formats else {}), **self.params}
 
     def format_for(self, module_name: str) -> Format | None:
         """The format of a linear module (by its checkpoint name), or None if it stays 16-bit."""
@@ -126,11 +145,17 @@ class QuantConfig:
         if module_name == EMBEDDINGS:
             return self.embeddings
         m = _DECODER_LINEAR.fullmatch(module_name)
+        if m and self.module_formats:
+            own = dict(self.module_formats)
+            if module_name in own:
+                return own[module_name]
         return self.linear if m and m[1] in self.modules else None
 
     @property
     def suffix(self) -> str:
         """What the default output dir adds to the source's name: int4-g128, gptq-int4-g128-act, ..."""
+        if "target_bpw" in self.params:
+            return f"bpw{self.params['target_bpw']:g}"
         name = self.linear.name if self.method in ("rtn", "bnb") else f"{self.method}-{self.linear.name}"
         return name + ("-act" if self.params.get("act_order") else "")
 
@@ -139,7 +164,12 @@ class QuantConfig:
         return tied and self.embeddings == self.lm_head
 
     def describe(self) -> str:
-        text = f"{self.method} {self.linear.name}, lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
+        text = f"{self.method} {self.linear.name}"
+        if self.module_formats:
+            names = sorted({f.name if f else "16-bit" for _, f in self.module_formats})
+            text = f"{self.method} mixed ({len(self.module_formats)} linears in their own format: {', '.join(names)}; " \
+                   f"others {self.linear.name})"
+        text += f", lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
         if self.embeddings:
             text += f", embeddings {self.embeddings.name}"
         if self.skip:

@@ -205,11 +205,17 @@ def export_compressed_tensors(src, out, cfg, qcfg, layers, force, progress) -> l
     groups, ignore = {}, sorted(m for m in linear_modules(expected_tensors(_unquantized(cfg)))
                                 if m not in layers)
     decoder = sorted({kind(m) for m in layers if m != "lm_head"})
-    groups["group_0"] = {"targets": [rf"re:model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(decoder)})$"],
-                         "weights": ct_weights_args(qcfg.linear), "input_activations": None,
-                         "output_activations": None, "format": "pack-quantized"}
+    by_format = {}  # a mixed checkpoint (--target-bpw): one group per format, its modules by name
+    for m in layers:
+        if m != "lm_head":
+            by_format.setdefault(qcfg.format_for(m), []).append(m)
+    targets = ({qcfg.linear: [rf"re:model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(decoder)})$"]}
+               if not qcfg.module_formats else by_format)
+    for fmt, names in targets.items():
+        groups[f"group_{len(groups)}"] = {"targets": names, "weights": ct_weights_args(fmt), "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}
     if "lm_head" in layers:
-        groups["group_1"] = {"targets": ["lm_head"], "weights": ct_weights_args(qcfg.lm_head),
+        groups[f"group_{len(groups)}"] = {"targets": ["lm_head"], "weights": ct_weights_args(qcfg.lm_head),
                              "input_activations": None, "output_activations": None, "format": "pack-quantized"}
     config = _base_config(src, layers)
     config["quantization_config"] = {
@@ -221,6 +227,9 @@ def export_compressed_tensors(src, out, cfg, qcfg, layers, force, progress) -> l
 
 def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> list[str]:
     fmt = qcfg.linear
+    if qcfg.module_formats:
+        raise QliteError(f"{src.path}: a mix of formats (--target-bpw); a GPTQ config holds one: export --to "
+                         f"compressed-tensors or gguf")
     if qcfg.skip:
         raise QliteError(f"{src.path}: 16-bit layers by name ({', '.join(qcfg.skip)}); GPTQ names them per block only: "
                          f"export --to compressed-tensors")

@@ -1,4 +1,6 @@
 """QuantConfig: every per-module rule, the flags' lm_head rule, and config.json round trips."""
+import dataclasses
+
 import pytest
 
 from qlite.errors import QliteError
@@ -67,10 +69,29 @@ def test_embeddings_follow_the_flags_and_round_trip(options, table, shared):
         QuantConfig.from_options(embed_bits=6)
 
 
+def test_module_formats_take_precedence_and_round_trip():
+    mixed = (("model.layers.0.mlp.down_proj", format_named("int8")), ("model.layers.1.self_attn.q_proj", None))
+    q = dataclasses.replace(QuantConfig.from_options(bits=4, group_size=64), module_formats=mixed,
+                            params={"target_bpw": 5.5})
+    assert q.format_for("model.layers.0.mlp.down_proj") == format_named("int8")
+    assert q.format_for("model.layers.1.self_attn.q_proj") is None
+    assert q.format_for("model.layers.1.mlp.down_proj") == format_named("int4-g64")  # not named: the main format
+    d = q.to_dict()
+    assert d["format_version"] == 3 and d["module_formats"] == {"model.layers.0.mlp.down_proj": "int8",
+                                                                 "model.layers.1.self_attn.q_proj": None}
+    assert QuantConfig.from_dict(d, "c.json") == q
+    assert QuantConfig.from_dict({**d, "input_order": True}, "c.json").input_order  # both features: version 3
+    assert q.suffix == "bpw5.5" and "mixed (2 linears in their own format: 16-bit, int8; others int4-g64)" in q.describe()
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"format_version": 3}, "format_version 3 is unknown"),
-    ({"format_version": 2}, "input_order goes with format_version 2 only"),
-    ({"input_order": True}, "input_order goes with format_version 2 only"),
+    ({"format_version": 4}, "format_version 4 is unknown"),
+    ({"format_version": 2}, "format_version 2 does not match"),
+    ({"format_version": 3}, "format_version 3 does not match"),
+    ({"input_order": True}, "format_version 1 does not match"),
+    ({"module_formats": {"model.layers.0.mlp.down_proj": "int8"}}, "format_version 1 does not match"),
+    ({"format_version": 3, "module_formats": {"lm_head": "int8"}}, "module_formats must map decoder linears"),
+    ({"format_version": 3, "module_formats": {"model.layers.0.mlp.down_proj": "int9"}}, "format 'int9': unknown"),
     ({"quant_method": "awq"}, "quantization method 'awq'"),
     ({"bits": 5}, "c.json: bits 5: qlite quantizes"),
     ({"bits": "x"}, "malformed"),
@@ -79,6 +100,6 @@ def test_embeddings_follow_the_flags_and_round_trip(options, table, shared):
     ({"modules": ["conv"]}, "modules must be among"),
 ])
 def test_bad_quantization_configs_are_refused(change, message):
-    """(An older qlite refuses format_version 2, so it never runs an input_order checkpoint wrong.)"""
+    """(An older qlite refuses format_version 2 and 3, so it never runs an input_order or mixed checkpoint wrong.)"""
     with pytest.raises(QliteError, match=message):
         QuantConfig.from_dict({**LEGACY_INT4, **change}, "c.json")

@@ -31,3 +31,18 @@ def test_quantize_peak_memory_stays_under_1_5_gb(demo_dir, tmp_path):
     peak, anon = map(int, r.stdout.split())
     print(f"\nquantize demo -> int4-g128: peak RSS {peak / 2**20:.0f} MiB, peak anonymous {anon / 2**20:.0f} MiB")
     assert peak < 1.5e9
+
+
+def test_target_bpw_keeps_the_demo_within_its_budget(demo_dir, tmp_path):
+    """Q4_0's size (5.37 bits per parameter); a small calibration (the budget does not depend on it)."""
+    import math
+
+    from qlite.checkpoint import CheckpointDir
+    from quantize.budget import budget_convert
+
+    s = budget_convert(demo_dir, tmp_path / "q", target_bpw=5.37, windows=2, seqlen=64, samples=1, progress=False,
+                       report=False)
+    params = sum(math.prod(i.shape) for i in CheckpointDir(demo_dir).tensors.values())
+    written = 8 * sum(i.nbytes for i in CheckpointDir(s.out_dir).tensors.values()) / params
+    print(f"\n{s}")
+    assert 5.3 < written <= 5.37 and s.bits_per_parameter == pytest.approx(written)

@@ -14,8 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from qlite.checkpoint import CheckpointDir
 from qlite.cli import main
-from qlite.formats import Int4, Int8
+from qlite.errors import QliteError
+from qlite.formats import Int4, Int8, format_named
 from qlite.loader import load_model
+from qlite.qconfig import QuantConfig
 from quantize import foreign
 from quantize.convert import convert
 from quantize.interchange import export_checkpoint, import_checkpoint
@@ -431,6 +433,52 @@ def test_bad_gptq_checkpoints(gptq_dir, tmp_path, case, needles):
 def test_foreign_checkpoint_is_named_at_load(gptq_dir):
     one_line_error(run_cli("generate", "-m", str(gptq_dir), "--prompt", "hi", "--max-new-tokens", "1"),
                    "quantization method 'gptq'", "qlite import")
+
+
+def test_a_mix_of_formats_exports_per_module(src, tmp_path):
+    """A --target-bpw checkpoint: compressed-tensors gets a group per format naming its modules (each
+    decompresses as qlite dequantizes), GGUF a block type per tensor, GPTQ (one format) refuses."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    mixed = (("model.layers.0.mlp.down_proj", format_named("int8")), ("model.layers.1.mlp.down_proj", None),
+             ("model.layers.1.self_attn.o_proj", format_named("int8-g32")))
+    qconfig = QuantConfig(format_named("int4-g64"), format_named("int8"), embeddings=None, module_formats=mixed)
+    q = convert(src, tmp_path / "mix", qconfig, progress=False, report=False).out_dir
+    stored, widths = CheckpointDir(q), CheckpointDir(src).tensors
+
+    def dequantized(m):  # what qlite runs for checkpoint module m
+        fmt = qconfig.format_for(m)
+        return fmt.dequantize({s: stored.read(f"{m}.{s}") for s in fmt.stored_shapes(1, 1)},
+                              widths[f"{m}.weight"].shape[1])
+    export_checkpoint(q, "compressed-tensors", tmp_path / "ct", progress=False)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    groups = {tuple(g["targets"]): g["weights"] for g in config["config_groups"].values()}
+    assert groups[("model.layers.0.mlp.down_proj",)]["strategy"] == "channel"
+    assert groups[("model.layers.1.self_attn.o_proj",)]["group_size"] == 32
+    assert "model.layers.1.mlp.down_proj" in config["ignore"]
+    t = load_file(tmp_path / "ct" / "model.safetensors")
+    for targets, weights in groups.items():
+        m = targets[0]
+        parts = {k.removeprefix(m + "."): v for k, v in t.items() if k.startswith(m + ".") and "bias" not in k}
+        got = PackedQuantizationCompressor.decompress(parts, QuantizationScheme(targets=["Linear"], weights=weights))
+        assert torch.equal(got["weight"], dequantized(m).half()), m
+    assert sum(len(targets) for targets in groups) == 2 * 7 - 1 + 1  # every quantized linear once, and lm_head
+    export_checkpoint(q, "gguf", tmp_path / "m.gguf", progress=False)
+    blocks = {r.name: r for r in GGUFReader(tmp_path / "m.gguf").tensors}
+    for name, module in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"),
+                         ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj"),
+                         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj")):
+        r = blocks[name]
+        w = dequantize(r.data, r.tensor_type).reshape(tuple(int(d) for d in reversed(r.shape)))
+        exact = "up" not in name  # int8 -> Q8_0 is exact; asymmetric int4 -> Q4_1 stores -zero * scale in fp16
+        assert np.abs(w - dequantized(module).numpy()).max() <= (0 if exact else 2.5e-4), (name, np.abs(w - dequantized(module).numpy()).max())
+    assert blocks["blk.1.ffn_down.weight"].tensor_type.name in ("BF16", "F16", "F32")
+    with pytest.raises(QliteError, match="a mix of formats .* a GPTQ config holds one"):
+        export_checkpoint(q, "gptq", tmp_path / "gptq", progress=False)
+    assert not (tmp_path / "gptq").exists()
 
 
 def test_bad_exports(quantized, src, tmp_path):

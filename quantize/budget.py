@@ -1,0 +1,283 @@
+"""`qlite quantize SRC --target-bpw B` / `--target-kld K`: a format for every unit (each decoder layer's q/k/v, o_proj,
+gate/up and down_proj, the embeddings, lm_head) such that all tensors of the written checkpoint
+together take at most B bits per parameter (every stored byte, norms and biases included, times 8,
+over the source's parameter count), with the least estimated KLD.
+
+Candidates are the formats with native kernels on every layer width they divide (CANDIDATES), and
+16-bit (the source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
+(quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
+a multiple-choice knapsack, solved by upgrading units along their lower convex hulls of (bytes, KLD),
+best KLD saved per byte first (`choose`). The checkpoint is then written by the streaming converter
+as any other, with per-module formats in its quantization_config (format_version 3).
+
+--target-kld K is the converse: the smallest mix whose measured mean KLD on each built-in text (the
+quantization report's measurement) is at most K, found by writing and measuring a few mixes
+(`kld_convert`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from qlite.errors import QliteError
+from qlite.formats import Format, format_named
+from qlite.outputs import atomic_output_dir
+from qlite.qconfig import EMBEDDINGS, QuantConfig
+from .convert import Summary, convert, plan_conversion, source_and_output
+from .report import can_measure
+from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
+
+CANDIDATES = ("int4-g128", "int4-g64", "int8", "int8-g32")  # and 16-bit (None)
+TRIALS = 5  # --target-kld: checkpoints written and measured at most
+TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
+
+
+def lower_hull(options: list[tuple[int, float]]) -> list[int]:
+    """Indices of the options on the lower convex hull of (bytes, cost), by bytes: from the smallest
+    (cheapest among equals), each next one costs strictly less and saves less per extra byte."""
+    order = sorted(range(len(options)), key=lambda j: options[j])
+    hull: list[int] = []
+    for j in order:
+        if hull and options[j][1] >= options[hull[-1]][1]:
+            continue  # bigger, and no better
+        while len(hull) >= 2:
+            (b0, c0), (b1, c1), (b2, c2) = options[hull[-2]], options[hull[-1]], options[j]
+            if (c0 - c1) * (b2 - b1) <= (c1 - c2) * (b1 - b0):  # the middle one saves no more per byte
+                hull.pop()
+            else:
+                break
+        hull.append(j)
+    return hull
+
+
+def choose(options: list[list[tuple[int, float]]], budget: int) -> list[int] | None:
+    """Multiple-choice knapsack: one option (bytes, cost) per unit, total bytes <= budget, least total
+    cost; None when even the smallest options do not fit. Greedy over the hulls' upgrades, most cost
+    saved per byte first (optimal but for at most one upgrade's worth), then any single switch that
+    still fits and lowers the cost."""
+    hulls = [lower_hull(o) for o in options]
+    pick = [h[0] for h in hulls]
+    used = sum(o[j][0] for o, j in zip(options, pick))
+    if used > budget:
+        return None
+    steps = sorted(((o[a][1] - o[b][1]) / (o[b][0] - o[a][0]), u, a, b)
+                   for u, (o, h) in enumerate(zip(options, hulls)) for a, b in zip(h, h[1:]))
+    for _, u, a, b in reversed(steps):  # within a unit, the hull's upgrades come in order
+        extra = options[u][b][0] - options[u][a][0]
+        if pick[u] == a and used + extra <= budget:
+            pick[u], used = b, used + extra
+    improved = True
+    while improved:  # what the greedy left: one switch at a time, the largest saving that fits
+        improved = False
+        gain, u, j = max(((options[u][pick[u]][1] - c, u, j) for u, o in enumerate(options)
+                          for j, (b, c) in enumerate(o) if used + b - o[pick[u]][0] <= budget), default=(0, 0, 0))
+        if gain > 0:
+            used += options[u][j][0] - options[u][pick[u]][0]
+            pick[u], improved = j, True
+    return pick
+
+
+def stored_bytes(fmt: Format | None, shape: tuple[int, int], element_size: int) -> int:
+    """Bytes of one [N, K] weight stored in fmt (None: copied, the source's element size)."""
+    if fmt is None:
+        return math.prod(shape) * element_size
+    return sum(torch.empty((), dtype=d).element_size() * math.prod(s) for d, s in fmt.stored_shapes(*shape).values())
+
+
+def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | None, int]]:
+    """(format, bytes) of each candidate that fits every module of the unit; 16-bit always, only it if skipped."""
+    name = "model.embed_tokens" if unit.name in (EMBEDDINGS, "lm_head") and src.config.tie_word_embeddings else None
+    infos = [src.tensors[f"{name or m}.weight"] for m in unit.modules]
+    fmts: list[Format | None] = [None]
+    if not any(s and s in m for s in skip for m in unit.modules):
+        for candidate in map(format_named, CANDIDATES):
+            try:
+                for info in infos:
+                    candidate.check(info.shape[1], unit.name)
+            except QliteError:
+                continue
+            fmts.append(candidate)
+    return [(f, sum(stored_bytes(f, tuple(i.shape), torch.empty((), dtype=i.torch_dtype).element_size())
+                    for i in infos)) for f in fmts]
+
+
+class Mixer:
+    """A source's units, their options (format, bytes) and, once measured, their estimated KLD; makes
+    the least-KLD mix for a byte budget."""
+
+    def __init__(self, src, skip: tuple[str, ...]):
+        self.src, self.cfg, self.skip = src, src.config, skip
+        self.units = units(self.cfg)
+        self.modules = {u.name: u.modules for u in self.units}
+        self.options = {u.name: unit_options(src, u, skip) for u in self.units}
+        self.params = sum(math.prod(info.shape) for info in src.tensors.values())
+        held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
+        self.fixed = sum(info.nbytes for name, info in src.tensors.items() if name not in held)  # norms, biases
+        self.costs = {u: [0.0] * len(o) for u, o in self.options.items()}  # until measured
+
+    def table(self) -> tuple[list[str], list[list[tuple[int, float]]]]:
+        """The knapsack: names and, per name, its options' (bytes, cost); a tied model's embeddings and
+        head are one item of (table, head) pairs, one stored copy when they have one format."""
+        tied = self.cfg.tie_word_embeddings
+        names = [u.name for u in self.units if not (tied and u.name in (EMBEDDINGS, "lm_head"))]
+        table = [[(b, self.costs[u][j]) for j, (_, b) in enumerate(self.options[u])] for u in names]
+        if tied:
+            emb, head = self.options[EMBEDDINGS], self.options["lm_head"]
+            table.append([(be if fe == fh else be + bh, self.costs[EMBEDDINGS][i] + self.costs["lm_head"][j])
+                          for i, (fe, be) in enumerate(emb) for j, (fh, bh) in enumerate(head)])
+            names.append(TABLE)
+        return names, table
+
+    def bytes_for(self, bits_per_parameter: float) -> int:
+        """The byte budget of the units for a whole-checkpoint bits-per-parameter budget."""
+        return math.floor(bits_per_parameter * self.params / 8) - self.fixed
+
+    def smallest_bits(self) -> float:
+        return 8 * (self.fixed + sum(min(b for b, _ in o) for o in self.table()[1])) / self.params
+
+    def largest_bytes(self) -> int:
+        return sum(max(b for b, _ in o) for o in self.table()[1])
+
+    def measure(self, windows: int, seqlen: int, samples: int, progress: bool) -> None:
+        ids = calibration_windows(self.src, windows, seqlen)
+        candidates = {u: [f for f, _ in o if f is not None] for u, o in self.options.items()}
+        measured = sensitivities(self.src, candidates, ids, samples, progress=progress)
+        self.costs = {u: [0.0 if f is None else measured[u][candidates[u].index(f)] for f, _ in o]
+                      for u, o in self.options.items()}
+
+    def mix(self, budget: int) -> tuple[dict[str, Format | None], float] | None:
+        """The least-KLD mix within `budget` bytes of units: every module's format (lm_head and
+        the embeddings included) and the estimated KLD; None if nothing fits."""
+        names, table = self.table()
+        pick = choose(table, budget)
+        if pick is None:
+            return None
+        formats: dict[str, Format | None] = {}
+        for name, j in zip(names, pick):
+            if name == TABLE:
+                i, k = divmod(j, len(self.options["lm_head"]))
+                formats[EMBEDDINGS], formats["lm_head"] = self.options[EMBEDDINGS][i][0], self.options["lm_head"][k][0]
+            else:
+                formats.update(dict.fromkeys(self.modules[name], self.options[name][j][0]))
+        return formats, sum(table[n][j][1] for n, j in enumerate(pick))
+
+    def qconfig(self, formats: dict[str, Format | None], params: dict) -> QuantConfig:
+        linears = {m: f for m, f in formats.items() if m not in (EMBEDDINGS, "lm_head")}
+        main = Counter(f for f in linears.values() if f is not None).most_common(1)
+        return QuantConfig(main[0][0] if main else format_named("int8"), formats["lm_head"], skip=self.skip,
+                           params=params, embeddings=formats[EMBEDDINGS], module_formats=tuple(linears.items()))
+
+    def bits(self, qconfig: QuantConfig) -> float:
+        """Bits per parameter of the checkpoint the converter would write (its own plan)."""
+        return 8 * sum(spec.nbytes for spec in plan_conversion(self.src, qconfig).specs) / self.params
+
+
+def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: str) -> tuple[Mixer, Path]:
+    """Check everything before the measurement: the source (as any quantize would), the output, the
+    tokenizer the calibration text needs."""
+    provisional = QuantConfig(format_named("int8"), format_named("int8"), skip=tuple(skip), params=settings,
+                              embeddings=format_named("int8"))
+    src, out = source_and_output(src, out, provisional, force)
+    plan_conversion(src, provisional, report=False)
+    if not (src.path / "tokenizer.json").exists():
+        raise QliteError(f"{flag}: {src.path} has no tokenizer.json to read the calibration text with")
+    return Mixer(src, tuple(skip)), out
+
+
+def positive(value, flag: str, what: str) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise QliteError(f"{flag} {value}: must be a positive {what}")
+
+
+def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float, skip: tuple[str, ...] = (),
+                   windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, force: bool = False,
+                   max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True) -> Summary:
+    """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
+    module docstring); returns the converter's Summary."""
+    positive(target_bpw, "--target-bpw", "number of bits per parameter")
+    t0 = time.perf_counter()
+    settings = {"target_bpw": target_bpw, "windows": windows, "seqlen": seqlen, "samples": samples}
+    mixer, out = prepare(src, out, settings, skip, force, "--target-bpw")
+    budget = mixer.bytes_for(target_bpw)
+    if mixer.mix(budget) is None:
+        raise QliteError(f"--target-bpw {target_bpw:g}: below the smallest mix for {mixer.src.path} "
+                         f"({mixer.smallest_bits():.3f} bits per parameter, every quantized tensor in its smallest format)")
+    mixer.measure(windows, seqlen, samples, progress)
+    formats, predicted = mixer.mix(budget)
+    qconfig = mixer.qconfig(formats, {**settings, "predicted_kld": round(predicted, 6)})
+    if mixer.bits(qconfig) > target_bpw:  # the arithmetic above must agree with the writer's plan
+        raise AssertionError(f"the mix takes {mixer.bits(qconfig)} bits per parameter, over --target-bpw {target_bpw}")
+    summary = convert(mixer.src.path, out, qconfig, force=force, max_shard_bytes=max_shard_bytes, progress=progress,
+                      report=report)
+    return dataclasses.replace(summary, seconds=time.perf_counter() - t0)
+
+
+def worst_kld(summary: Summary) -> float:
+    """The larger of the built-in texts' mean KLD in the checkpoint's report."""
+    return max(t["kld_mean"] for t in summary.fidelity["texts"].values())
+
+
+def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: float, skip: tuple[str, ...] = (),
+                windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, trials: int = TRIALS,
+                force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True) -> Summary:
+    """The smallest mix found whose measured mean KLD on each built-in text (the report's measurement)
+    is at most target_kld. The estimates rank the mixes; each trial writes one and measures it, and
+    the next aims at the estimate scaled by target / measured, a bigger mix after a miss and a smaller
+    one after a pass, and once a mix has missed and one has passed, the budget halfway between them
+    (in bytes); the smallest that passed is kept (at most `trials` trials)."""
+    positive(target_kld, "--target-kld", "mean KLD in nats")
+    t0 = time.perf_counter()
+    settings = {"target_kld": target_kld, "windows": windows, "seqlen": seqlen, "samples": samples}
+    mixer, out = prepare(src, out, settings, skip, force, "--target-kld")
+    if not can_measure(mixer.src):
+        raise QliteError(f"--target-kld: {mixer.src.path} has no tokenizer.json to measure with")
+    mixer.measure(windows, seqlen, samples, progress)
+    hi = mixer.largest_bytes()
+
+    def smallest_budget(aim: float) -> int:  # the fewest bytes whose mix's estimate is at most `aim`
+        low, high = 0, hi
+        while low < high:
+            mid = (low + high) // 2
+            found = mixer.mix(mid)
+            low, high = (low, mid) if found is not None and found[1] <= aim else (mid + 1, high)
+        return low
+
+    best, tried, aim, missed = None, {}, target_kld, -1  # missed: the largest budget whose mix missed
+    with atomic_output_dir(out, force=force, inputs=(mixer.src.path,)) as tmp:
+        for trial in range(trials):
+            # between a miss and a pass: halve the bytes between them; else aim the estimate
+            budget = (missed + best_budget) // 2 if best is not None and missed >= 0 else smallest_budget(aim)
+            if budget in tried or budget <= missed or (best is not None and budget >= best_budget):
+                break
+            formats, predicted = mixer.mix(budget)
+            qconfig = mixer.qconfig(formats, {**settings, "predicted_kld": round(predicted, 6)})
+            summary = convert(mixer.src.path, tmp / f"trial{trial}", qconfig, max_shard_bytes=max_shard_bytes,
+                              progress=False)
+            tried[budget] = measured = worst_kld(summary)
+            if progress:
+                print(f"trial {trial + 1}: {summary.bits_per_parameter:.3f} bits per parameter, KLD {measured:.5f} "
+                      f"(estimated {predicted:.5f})", file=sys.stderr)
+            if measured <= target_kld:
+                if best is not None:
+                    shutil.rmtree(best.out_dir)
+                best, best_budget = summary, budget
+            else:
+                shutil.rmtree(summary.out_dir)
+                missed = max(missed, budget)
+            aim = predicted * target_kld / measured if measured > 0 else aim
+        if best is None:
+            raise QliteError(f"--target-kld {target_kld:g}: no mix of {mixer.src.path} reached it in {len(tried)} "
+                             f"trials (the closest: mean KLD {min(tried.values()):.5f}); the largest mix is "
+                             f"{8 * (mixer.fixed + hi) / mixer.params:.2f} bits per parameter")
+        for f in best.out_dir.iterdir():
+            os.rename(f, tmp / f.name)
+        for leftover in tmp.glob("trial*"):
+            shutil.rmtree(leftover)
+    return dataclasses.replace(best, out_dir=out, seconds=time.perf_counter() - t0)

@@ -1,0 +1,171 @@
+"""How much KLD each quantizable unit of a checkpoint would add in each candidate format, alone: what
+`qlite quantize --target-bpw` ranks tensors by (quantize/budget.py).
+
+A unit is what takes one format: a decoder layer's fused q/k/v, o_proj, fused gate/up and down_proj
+(qlite runs each as one matmul), the embeddings and lm_head.
+
+The estimate, second order in the weights' error. Quantizing a unit changes its outputs by
+delta = X (W - Q(W))^T (X: its inputs on calibration windows, from the float source). To first order
+the logits change by J delta, and the KLD from the float model's distribution p, summed over a
+window's positions, is 1/2 sum_t dl_t^T F_t dl_t with F_t = diag(p_t) - p_t p_t^T, the Fisher
+information of p_t. With next tokens y_t sampled from p_t and g = the gradient of sum_t log p_t(y_t)
+taken back to the unit's outputs, E_y[(g . delta)^2] is exactly that sum (the cross terms vanish:
+E[grad log p_t(y_t)] = 0 and the y_t are independent), so 1/2 (g . delta)^2, averaged over samples and
+windows and divided by the window's length, estimates the unit's mean KLD per token without running
+the model once per unit and format. lm_head's KLD is computed exactly (its logits are the output).
+
+The source runs in float32 one decoder layer at a time (streamed from its files, as GPTQ's calibration
+does): forward through every layer keeping each layer's input, then per sample backward from the top,
+each layer recomputed from its stored input. lm_head is read in blocks of vocabulary rows."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qlite.checkpoint import CheckpointDir
+from qlite.formats import Format
+from qlite.loader import float_layer
+from qlite.model import Linear, RMSNorm, Rotary, Step, checkpoint_module
+from qlite.qconfig import EMBEDDINGS
+from qlite.tokenizer import Tokenizer
+
+WINDOWS, SEQLEN, SAMPLES = 8, 256, 4  # calibration windows (half code, half prose), tokens each, label samples
+VOCAB_BLOCK = 16384  # lm_head rows read, converted and quantized at a time
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str  # the runtime's module name: model.layers.3.self_attn.qkv_proj, lm_head, model.embed_tokens
+    modules: tuple[str, ...]  # the checkpoint modules it holds (one format for all)
+
+
+def units(cfg) -> list[Unit]:
+    """Every unit of a Qwen2 config, decoder layers in order, then the embeddings and lm_head."""
+    found = []
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        found += [Unit(a + "qkv_proj", (a + "q_proj", a + "k_proj", a + "v_proj")), Unit(a + "o_proj", (a + "o_proj",)),
+                  Unit(m + "gate_up_proj", (m + "gate_proj", m + "up_proj")), Unit(m + "down_proj", (m + "down_proj",))]
+    return found + [Unit(EMBEDDINGS, (EMBEDDINGS,)), Unit("lm_head", ("lm_head",))]
+
+
+def quantization_error(w: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """W - Q(W) in float32 for a float weight [N, K] (every format quantizes rows independently)."""
+    w = w.float()
+    return w - fmt.dequantize(fmt.quantize(w), w.shape[1])
+
+
+@torch.inference_mode(False)
+@torch.enable_grad()  # the backward passes, whatever the caller's mode
+def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: torch.Tensor,
+                  samples: int = SAMPLES, seed: int = 0, progress: bool = True) -> dict[str, list[float]]:
+    """unit name -> estimated mean KLD per token that quantizing that unit alone in each of its
+    candidate formats adds (same order as candidates[unit]); ids: (windows, seqlen) calibration tokens."""
+    from tqdm import tqdm
+
+    cfg = dataclasses.replace(src.config, quantization=None)
+    windows, seqlen = ids.shape
+    generator = torch.Generator().manual_seed(seed)
+    step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(seqlen)[None]), None, None, 0)
+    table = src.read(f"{EMBEDDINGS}.weight")
+    inputs = [F.embedding(ids, table.float())]  # each layer's input, (windows, seqlen, hidden)
+    with torch.no_grad():
+        for i in tqdm(range(cfg.num_hidden_layers), desc="sensitivity: forward", unit="layer", disable=not progress):
+            inputs.append(float_layer(src, cfg, i)(inputs[-1], step))
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.requires_grad_(False).copy_(src.read("model.norm.weight").float())
+    head = src.read(f"{EMBEDDINGS}.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    last = inputs.pop().requires_grad_()
+    normed = norm(last)  # (windows, seqlen, hidden)
+    head_klds, grads = head_pass(normed.detach().flatten(0, 1), head, candidates.get("lm_head", []), samples, generator)
+    out = {"lm_head": head_klds}
+    # each sample's gradient at the last layer's output: (windows, seqlen, hidden)
+    grads = [torch.autograd.grad(normed, last, g.view_as(normed), retain_graph=True)[0] for g in grads]
+    del last, normed
+
+    def cost(scores: torch.Tensor) -> float:  # scores (samples, windows) of g . delta -> mean KLD per token
+        return float(0.5 * scores.double().pow(2).mean() / seqlen)
+
+    for i in tqdm(reversed(range(cfg.num_hidden_layers)), total=cfg.num_hidden_layers, desc="sensitivity: backward",
+                  unit="layer", disable=not progress):
+        layer = float_layer(src, cfg, i).requires_grad_(False)
+        x = inputs.pop()
+        deltas, scores, hooks = {}, {}, []
+        for name, linear in layer.named_modules():
+            unit = f"model.layers.{i}.{checkpoint_module(name)}" if isinstance(linear, Linear) else None
+            if unit not in candidates:
+                continue
+            fmts = candidates[unit]
+            scores[unit] = torch.zeros(len(fmts), samples, windows)
+
+            def keep_deltas(module, args, output, unit=unit, fmts=fmts):
+                if unit not in deltas:  # the first sample: each format's output change, (windows, seqlen, out)
+                    deltas[unit] = [args[0] @ quantization_error(module.weight, f).T for f in fmts]
+                output.register_hook(lambda g, unit=unit: add_scores(unit, g))
+
+            hooks.append(linear.register_forward_hook(keep_deltas))
+
+        def add_scores(unit, g):  # g: (windows, seqlen, out) for the current sample
+            for j, d in enumerate(deltas[unit]):
+                scores[unit][j, s] = (g * d).sum((1, 2))
+
+        for s in range(samples):
+            x_in = x.detach().requires_grad_()
+            y = layer(x_in, step)
+            grads[s] = torch.autograd.grad(y, x_in, grads[s])[0]
+        for h in hooks:
+            h.remove()
+        out.update({unit: [cost(sc[j]) for j in range(sc.shape[0])] for unit, sc in scores.items()})
+
+    if EMBEDDINGS in candidates:  # the looked-up rows' change, against the gradient at the first layer's input
+        rows, where = torch.unique(ids, return_inverse=True)
+        g0 = torch.stack(grads)  # (samples, windows, seqlen, hidden)
+        out[EMBEDDINGS] = []
+        for fmt in candidates[EMBEDDINGS]:
+            delta = F.embedding(where, -quantization_error(table[rows], fmt))  # (windows, seqlen, hidden)
+            out[EMBEDDINGS].append(cost((g0 * delta).sum((2, 3))))
+    return out
+
+
+@torch.no_grad()
+def head_pass(x: torch.Tensor, head: torch.Tensor, fmts: list[Format], samples: int, generator: torch.Generator
+              ) -> tuple[list[float], list[torch.Tensor]]:
+    """For the normed last hidden states x (tokens, hidden) and the float head (vocab, hidden), block by
+    block of vocabulary rows: the mean KLD of each format's head against the float one (exact), and for
+    `samples` label sets y ~ softmax(logits) the gradient of sum log p(y) at x: head[y] - p @ head."""
+    blocks = range(0, head.shape[0], VOCAB_BLOCK)
+    lse = torch.full((x.shape[0],), -torch.inf)
+    for v in blocks:
+        lse = torch.logaddexp(lse, torch.logsumexp(x @ head[v:v + VOCAB_BLOCK].float().T, dim=-1))
+    expected = torch.zeros_like(x)  # p @ head, (tokens, hidden)
+    best = torch.full((samples, x.shape[0]), -torch.inf)  # Gumbel-max sampling, block by block
+    label = torch.zeros((samples, x.shape[0]), dtype=torch.long)
+    cross = torch.zeros(len(fmts), x.shape[0])  # sum_v p (l - l_q)
+    lse_q = torch.full((len(fmts), x.shape[0]), -torch.inf)
+    for v in blocks:
+        w = head[v:v + VOCAB_BLOCK].float()  # (block, hidden)
+        logits = x @ w.T  # (tokens, block)
+        p = torch.exp(logits - lse[:, None])
+        expected += p @ w
+        for s in range(samples):
+            u = torch.rand(logits.shape, generator=generator).clamp_(min=1e-20)
+            score, index = (logits - torch.log(-torch.log(u))).max(dim=-1)
+            better = score > best[s]
+            best[s] = torch.where(better, score, best[s])
+            label[s] = torch.where(better, index + v, label[s])
+        for j, fmt in enumerate(fmts):
+            logits_q = x @ (w - quantization_error(w, fmt)).T
+            cross[j] += (p * (logits - logits_q)).sum(-1)
+            lse_q[j] = torch.logaddexp(lse_q[j], torch.logsumexp(logits_q, dim=-1))
+    klds = (cross - lse[None] + lse_q).clamp(min=0).mean(-1)
+    return klds.tolist(), [head[label[s]].float() - expected for s in range(samples)]
+
+
+def calibration_windows(src: CheckpointDir, windows: int = WINDOWS, seqlen: int = SEQLEN) -> torch.Tensor:
+    """(windows, seqlen) ids of the built-in calibration text (half code, half prose), as GPTQ reads it."""
+    from .calibrate import calibration_ids
+
+    return calibration_ids(Tokenizer(src.path), "builtin", windows, min(seqlen, src.config.max_position_embeddings))

@@ -1,0 +1,150 @@
+"""--target-bpw: the knapsack against brute force, the budget never exceeded (counted from the written
+files), the mix runs, and bad budgets are one line that writes nothing. --target-kld: what it keeps
+was measured within the target, and is the smallest of its trials that was."""
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from qlite.checkpoint import CheckpointDir
+from qlite.cli import main
+from qlite.errors import QliteError
+from qlite.loader import load_model
+from qlite.info import REPORT_NAME
+from quantize.budget import Mixer, budget_convert, choose, kld_convert, lower_hull
+from tiny_models import NATIVE_WIDTHS, make_checkpoint
+
+
+def test_lower_hull_drops_dominated_and_concave_options():
+    options = [(10, 5.0), (20, 1.0), (15, 4.5), (30, 0.5), (25, 2.0), (40, 0.2)]
+    # (15, 4.5) saves less per byte than going straight to (20, 1.0); (25, 2.0) costs more than (20, 1.0)
+    assert lower_hull(options) == [0, 1, 3, 5]
+    assert lower_hull([(10, 1.0), (10, 0.5), (5, 2.0)]) == [2, 1]
+
+
+def test_choose_is_within_one_upgrade_of_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        options = [[(rng.randint(1, 20), rng.random()) for _ in range(rng.randint(1, 4))] for _ in range(4)]
+        smallest = sum(min(b for b, _ in o) for o in options)
+        budget = rng.randint(smallest - 2, smallest + 40)
+        best = min((sum(o[j][1] for o, j in zip(options, pick)) for pick in itertools.product(
+            *[range(len(o)) for o in options]) if sum(o[j][0] for o, j in zip(options, pick)) <= budget), default=None)
+        pick = choose(options, budget)
+        if best is None:
+            assert pick is None
+            continue
+        assert sum(o[j][0] for o, j in zip(options, pick)) <= budget
+        cost = sum(o[j][1] for o, j in zip(options, pick))
+        largest_step = max(max(c for _, c in o) - min(c for _, c in o) for o in options)
+        assert best <= cost <= best + largest_step + 1e-12
+
+
+def test_choose_spends_the_budget_where_it_saves_most_per_byte():
+    options = [[(4, 1.0), (8, 0.9)],  # saves 0.1 for 4 bytes
+               [(4, 1.0), (8, 0.2)]]  # saves 0.8 for 4 bytes
+    assert choose(options, 12) == [0, 1] and choose(options, 16) == [1, 1] and choose(options, 8) == [0, 0]
+    assert choose(options, 7) is None
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def src(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("budget") / "ckpt", seed=5,
+                           **dict(NATIVE_WIDTHS, tie_word_embeddings=request.param == "tied"))
+
+
+def written_bits_per_parameter(src, out) -> float:
+    """From the files: every stored tensor's bytes x 8 over the source's parameters."""
+    params = sum(math.prod(i.shape) for i in CheckpointDir(src).tensors.values())
+    return 8 * sum(i.nbytes for i in CheckpointDir(out).tensors.values()) / params
+
+
+def test_budgets_are_never_exceeded_and_more_budget_buys_fidelity(src, tmp_path):
+    predicted = []
+    for bpw in (4.5, 5.0, 6.0, 8.5, 40.0):
+        s = budget_convert(src, tmp_path / f"b{bpw}", target_bpw=bpw, windows=4, seqlen=64, samples=2,
+                           progress=False, report=False)
+        assert s.bits_per_parameter == pytest.approx(written_bits_per_parameter(src, s.out_dir))
+        assert written_bits_per_parameter(src, s.out_dir) <= bpw
+        assert s.bits_per_parameter > 0.9 * bpw or bpw == 40.0  # the budget is used, not left idle
+        q = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
+        assert q["format_version"] == 3 and q["target_bpw"] == bpw and len(q["module_formats"]) == 14
+        predicted.append(q["predicted_kld"])
+    assert predicted == sorted(predicted, reverse=True) and predicted[0] > 10 * predicted[-2]
+    assert predicted[-1] == 0 and s.bits_per_parameter == 32  # room for all: the float32 source's tensors as they are
+
+
+def test_a_mixed_checkpoint_runs_close_to_its_source(src, tmp_path):
+    s = budget_convert(src, tmp_path / "mix", target_bpw=6.0, windows=4, seqlen=64, samples=2, progress=False,
+                       report=False)
+    formats = set(json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["module_formats"].values())
+    assert len(formats) >= 2  # a mix, not one format
+    ids = torch.arange(40)[None] % 300
+    ref = load_model(src, dtype="float32")(ids)
+    got = load_model(s.out_dir, dtype="float32")(ids)
+    kld = (torch.log_softmax(ref, -1).exp() * (torch.log_softmax(ref, -1) - torch.log_softmax(got, -1))).sum(-1)
+    assert kld.mean() < 0.05
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1", "--target-bpw 1: below the smallest mix for"),
+    ("-3", "Invalid value for '--target-bpw': -3 is not > 0"),
+    ("abc", "Invalid value for '--target-bpw': 'abc' is not a number"),
+    ("nan", "Invalid value for '--target-bpw': nan is not > 0"),
+])
+def test_bad_budgets_are_one_line_and_write_nothing(src, tmp_path, capsys, value, message):
+    code = main(["quantize", str(src), "--out", str(tmp_path / "q"), "--target-bpw", value])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "q").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_target_bpw_refuses_flags_that_choose_formats(src, tmp_path, capsys):
+    code = main(["quantize", str(src), "--out", str(tmp_path / "q"), "--target-bpw", "5", "--bits", "8",
+                 "--method", "gptq"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err == "error: --target-bpw chooses every tensor's format (round to nearest); drop --bits, --method"
+    with pytest.raises(QliteError, match="must be a positive number"):
+        budget_convert(src, tmp_path / "q", target_bpw=float("inf"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("kld") / "ckpt", seed=5, **NATIVE_WIDTHS)
+
+
+def test_target_kld_keeps_the_smallest_trial_within_the_target(untied, tmp_path, capsys):
+    s = kld_convert(untied, tmp_path / "k", target_kld=0.05, windows=4, seqlen=64, samples=2, trials=4)
+    report = json.loads((s.out_dir / REPORT_NAME).read_text())
+    assert max(t["kld_mean"] for t in report["fidelity"]["texts"].values()) <= 0.05
+    assert json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["target_kld"] == 0.05
+    trials = [line.split() for line in capsys.readouterr().err.splitlines() if line.startswith("trial ")]
+    passed = [float(t[2]) for t in trials if float(t[7]) <= 0.05]  # "trial 1: 5.203 bits per parameter, KLD 0.10608 ..."
+    assert 2 <= len(trials) <= 4 and s.bits_per_parameter == pytest.approx(min(passed), abs=1e-3)
+    assert s.bits_per_parameter == pytest.approx(written_bits_per_parameter(untied, s.out_dir))
+    assert [p.name for p in tmp_path.iterdir()] == ["k"] and not list(s.out_dir.glob("trial*"))
+
+
+def test_a_loose_target_kld_takes_the_smallest_mix_and_one_out_of_reach_writes_nothing(untied, tmp_path, capsys):
+    s = kld_convert(untied, tmp_path / "k", target_kld=10, windows=4, seqlen=64, samples=2, progress=False)
+    assert s.bits_per_parameter == pytest.approx(Mixer(CheckpointDir(untied), ()).smallest_bits())
+    assert "predicted_kld" in json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
+    code = main(["quantize", str(untied), "--out", str(tmp_path / "q"), "--target-kld", "1e-9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: --target-kld 1e-09: no mix of") and "the closest: mean KLD" in err[-1]
+    assert [p.name for p in tmp_path.iterdir()] == ["k"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target-kld", "0.1", "--no-report"], "--target-kld chooses every tensor's format (round to nearest); drop --no-report"),
+    (["--target-bpw", "5", "--target-kld", "0.1"], "--target-bpw chooses every tensor's format (round to nearest); drop --target-kld"),
+    (["--target-kld", "-1"], "Invalid value for '--target-kld': -1 is not > 0"),
+])
+def test_target_kld_flag_errors(untied, tmp_path, capsys, flags, message):
+    assert main(["quantize", str(untied), "--out", str(tmp_path / "q"), *flags]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
