@@ -1,13 +1,12 @@
-"""`qlite quantize SRC --target-bpw B` / `--target-kld K`: a format for every unit (each decoder layer's q/k/v, o_proj,
-gate/up and down_proj, the embeddings, lm_head) such that all tensors of the written checkpoint
+"""`qlite quantize SRC --target-bpw B` / `--target-kld K`: a format for every unit (each decoder
+layer's q/k/v, o_proj, gate/up and down_proj, the embeddings, lm_head) such that all tensors of the written checkpoint
 together take at most B bits per parameter (every stored byte, norms and biases included, times 8,
 over the source's parameter count), with the least estimated KLD.
 
 Candidates are the formats with native kernels on every layer width they divide (CANDIDATES), and
 16-bit (the source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
 (quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
-a multiple-choice knapsack, solved by upgrading units along their lower convex hulls of (bytes, KLD),
-best KLD saved per byte first (`choose`). The checkpoint is then written by the streaming converter
+a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then written by the streaming converter
 as any other, with per-module formats in its quantization_config (format_version 3).
 
 --target-kld K is the converse: the smallest mix whose measured mean KLD on each built-in text (the
@@ -31,57 +30,13 @@ from qlite.formats import Format, format_named
 from qlite.outputs import atomic_output_dir
 from qlite.qconfig import EMBEDDINGS, QuantConfig
 from .convert import Summary, convert, plan_conversion, source_and_output
+from .knapsack import choose
 from .report import can_measure
 from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
 
 CANDIDATES = ("int4-g128", "int4-g64", "int8", "int8-g32")  # and 16-bit (None)
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
 TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
-
-
-def lower_hull(options: list[tuple[int, float]]) -> list[int]:
-    """Indices of the options on the lower convex hull of (bytes, cost), by bytes: from the smallest
-    (cheapest among equals), each next one costs strictly less and saves less per extra byte."""
-    order = sorted(range(len(options)), key=lambda j: options[j])
-    hull: list[int] = []
-    for j in order:
-        if hull and options[j][1] >= options[hull[-1]][1]:
-            continue  # bigger, and no better
-        while len(hull) >= 2:
-            (b0, c0), (b1, c1), (b2, c2) = options[hull[-2]], options[hull[-1]], options[j]
-            if (c0 - c1) * (b2 - b1) <= (c1 - c2) * (b1 - b0):  # the middle one saves no more per byte
-                hull.pop()
-            else:
-                break
-        hull.append(j)
-    return hull
-
-
-def choose(options: list[list[tuple[int, float]]], budget: int) -> list[int] | None:
-    """Multiple-choice knapsack: one option (bytes, cost) per unit, total bytes <= budget, least total
-    cost; None when even the smallest options do not fit. Greedy over the hulls' upgrades, most cost
-    saved per byte first (optimal but for at most one upgrade's worth), then any single switch that
-    still fits and lowers the cost."""
-    hulls = [lower_hull(o) for o in options]
-    pick = [h[0] for h in hulls]
-    used = sum(o[j][0] for o, j in zip(options, pick))
-    if used > budget:
-        return None
-    steps = sorted(((o[a][1] - o[b][1]) / (o[b][0] - o[a][0]), u, a, b)
-                   for u, (o, h) in enumerate(zip(options, hulls)) for a, b in zip(h, h[1:]))
-    for _, u, a, b in reversed(steps):  # within a unit, the hull's upgrades come in order
-        extra = options[u][b][0] - options[u][a][0]
-        if pick[u] == a and used + extra <= budget:
-            pick[u], used = b, used + extra
-    improved = True
-    while improved:  # what the greedy left: one switch at a time, the largest saving that fits
-        improved = False
-        gain, u, j = max(((options[u][pick[u]][1] - c, u, j) for u, o in enumerate(options)
-                          for j, (b, c) in enumerate(o) if used + b - o[pick[u]][0] <= budget), default=(0, 0, 0))
-        if gain > 0:
-            used += options[u][j][0] - options[u][pick[u]][0]
-            pick[u], improved = j, True
-    return pick
 
 
 def stored_bytes(fmt: Format | None, shape: tuple[int, int], element_size: int) -> int:
