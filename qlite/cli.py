@@ -257,17 +257,13 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
     writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
     if target_bpw is not None or target_kld is not None:
         flag = "--target-bpw" if target_bpw is not None else "--target-kld"
-        names = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits", "method", "calib_data",
-                 "nsamples", "seqlen", "act_order", "damp") + (("target_kld",) if target_bpw is not None else ())
-        given = [f"--{name.replace('_', '-')}" for name in names
-                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-        if target_kld is not None and no_report:
-            given.append("--no-report")  # the report's measurement is what --target-kld aims at
+        given = flags_beside_target(ctx, by_kld=target_bpw is None, gptq=method == "gptq", no_report=no_report)
         if given:
-            raise QliteError(f"{flag} chooses every tensor's format (round to nearest); drop {', '.join(given)}"
-                             .replace("--scheme", "--format"))
+            raise QliteError(f"{flag} chooses every tensor's format; drop {', '.join(given)}")
         from quantize.budget import budget_convert, kld_convert
-        summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, **writing) if target_bpw is not None
+        gptq = dict(calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order, damp=damp)
+        summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, gptq=gptq if method == "gptq" else None,
+                                  **writing) if target_bpw is not None
                    else kld_convert(src, out, target_kld=target_kld, skip=skips, force=force,
                                     max_shard_bytes=writing["max_shard_bytes"]))
         click.echo(str(summary))
@@ -287,6 +283,18 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
         from quantize.convert import convert
         summary = convert(src, out, **formats, **writing)
     click.echo(str(summary))
+
+
+def flags_beside_target(ctx, by_kld: bool, gptq: bool, no_report: bool) -> list[str]:
+    """The flags given with --target-bpw / --target-kld that they cannot take: those that choose
+    formats; for --target-bpw, --target-kld and GPTQ's flags without --method gptq; for --target-kld,
+    GPTQ and --no-report (the report's measurement is what it aims at)."""
+    gptq_flags = ("calib_data", "nsamples", "seqlen", "act_order", "damp")
+    names = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits") + (
+        ("method",) + gptq_flags if by_kld else ("target_kld",) + (() if gptq else gptq_flags))
+    given = [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in names
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    return given + (["--no-report"] if by_kld and no_report else [])
 
 
 def parse_size(text: str, flag: str) -> int:

@@ -123,10 +123,10 @@ class Mixer:
                 formats.update(dict.fromkeys(self.modules[name], self.options[name][j][0]))
         return formats, sum(table[n][j][1] for n, j in enumerate(pick))
 
-    def qconfig(self, formats: dict[str, Format | None], params: dict) -> QuantConfig:
+    def qconfig(self, formats: dict[str, Format | None], params: dict, method: str = "rtn") -> QuantConfig:
         linears = {m: f for m, f in formats.items() if m not in (EMBEDDINGS, "lm_head")}
         main = Counter(f for f in linears.values() if f is not None).most_common(1)
-        return QuantConfig(main[0][0] if main else format_named("int8"), formats["lm_head"], skip=self.skip,
+        return QuantConfig(main[0][0] if main else format_named("int8"), formats["lm_head"], method, skip=self.skip,
                            params=params, embeddings=formats[EMBEDDINGS], module_formats=tuple(linears.items()))
 
     def bits(self, qconfig: QuantConfig) -> float:
@@ -153,12 +153,14 @@ def positive(value, flag: str, what: str) -> None:
 
 def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float, skip: tuple[str, ...] = (),
                    windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, force: bool = False,
-                   max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True) -> Summary:
+                   max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
+                   gptq: dict | None = None) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
-    module docstring); returns the converter's Summary."""
+    module docstring); returns the converter's Summary. gptq: quantize the mix with GPTQ instead of
+    round to nearest, with these gptq_convert settings (calib, nsamples, seqlen, act_order, damp)."""
     positive(target_bpw, "--target-bpw", "number of bits per parameter")
     t0 = time.perf_counter()
-    settings = {"target_bpw": target_bpw, "windows": windows, "seqlen": seqlen, "samples": samples}
+    settings = {"target_bpw": target_bpw, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
     mixer, out = prepare(src, out, settings, skip, force, "--target-bpw")
     budget = mixer.bytes_for(target_bpw)
     if mixer.mix(budget) is None:
@@ -166,11 +168,19 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
                          f"({mixer.smallest_bits():.3f} bits per parameter, every quantized tensor in its smallest format)")
     mixer.measure(windows, seqlen, samples, progress)
     formats, predicted = mixer.mix(budget)
-    qconfig = mixer.qconfig(formats, {**settings, "predicted_kld": round(predicted, 6)})
+    recorded = {**settings, "predicted_kld": round(predicted, 6)}
+    if gptq:
+        recorded.update(act_order=gptq["act_order"], damp=gptq["damp"], nsamples=gptq["nsamples"],
+                        seqlen=gptq["seqlen"], calibration=gptq["calib"])
+    qconfig = mixer.qconfig(formats, recorded, "gptq" if gptq else "rtn")
     if mixer.bits(qconfig) > target_bpw:  # the arithmetic above must agree with the writer's plan
         raise AssertionError(f"the mix takes {mixer.bits(qconfig)} bits per parameter, over --target-bpw {target_bpw}")
-    summary = convert(mixer.src.path, out, qconfig, force=force, max_shard_bytes=max_shard_bytes, progress=progress,
-                      report=report)
+    writing = dict(force=force, max_shard_bytes=max_shard_bytes, progress=progress, report=report)
+    if gptq:
+        from .calibrate import gptq_convert
+        summary = gptq_convert(mixer.src.path, out, qconfig, **gptq, **writing)
+    else:
+        summary = convert(mixer.src.path, out, qconfig, **writing)
     return dataclasses.replace(summary, seconds=time.perf_counter() - t0)
 
 
@@ -189,7 +199,7 @@ def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: f
     (in bytes); the smallest that passed is kept (at most `trials` trials)."""
     positive(target_kld, "--target-kld", "mean KLD in nats")
     t0 = time.perf_counter()
-    settings = {"target_kld": target_kld, "windows": windows, "seqlen": seqlen, "samples": samples}
+    settings = {"target_kld": target_kld, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
     mixer, out = prepare(src, out, settings, skip, force, "--target-kld")
     if not can_measure(mixer.src):
         raise QliteError(f"--target-kld: {mixer.src.path} has no tokenizer.json to measure with")

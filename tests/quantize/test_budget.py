@@ -38,6 +38,7 @@ def test_budgets_are_never_exceeded_and_more_budget_buys_fidelity(src, tmp_path)
         assert s.bits_per_parameter > 0.9 * bpw or bpw == 40.0  # the budget is used, not left idle
         q = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
         assert q["format_version"] == 3 and q["target_bpw"] == bpw and len(q["module_formats"]) == 14
+        assert q["sensitivity"] == {"windows": 4, "seqlen": 64, "samples": 2}
         predicted.append(q["predicted_kld"])
     assert predicted == sorted(predicted, reverse=True) and predicted[0] > 10 * predicted[-2]
     assert predicted[-1] == 0 and s.bits_per_parameter == 32  # room for all: the float32 source's tensors as they are
@@ -49,10 +50,24 @@ def test_a_mixed_checkpoint_runs_close_to_its_source(src, tmp_path):
     formats = set(json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["module_formats"].values())
     assert len(formats) >= 2  # a mix, not one format
     ids = torch.arange(40)[None] % 300
-    ref = load_model(src, dtype="float32")(ids)
-    got = load_model(s.out_dir, dtype="float32")(ids)
+    with torch.inference_mode():
+        ref = load_model(src, dtype="float32")(ids)
+        got = load_model(s.out_dir, dtype="float32")(ids)
     kld = (torch.log_softmax(ref, -1).exp() * (torch.log_softmax(ref, -1) - torch.log_softmax(got, -1))).sum(-1)
     assert kld.mean() < 0.05
+
+
+def test_gptq_quantizes_the_same_mix(src, tmp_path):
+    common = dict(target_bpw=5.0, windows=4, seqlen=64, samples=2, progress=False, report=False)
+    rtn = budget_convert(src, tmp_path / "rtn", **common)
+    gptq = budget_convert(src, tmp_path / "gptq", gptq=dict(calib="builtin", nsamples=4, seqlen=64, act_order=False,
+                                                            damp=0.01), **common)
+    q_rtn, q_gptq = (json.loads((s.out_dir / "config.json").read_text())["quantization_config"] for s in (rtn, gptq))
+    assert q_gptq["method"] == "gptq" and q_gptq["nsamples"] == 4 and q_gptq["sensitivity"]["seqlen"] == 64
+    assert q_gptq["module_formats"] == q_rtn["module_formats"] and gptq.bytes_after == rtn.bytes_after
+    quantized = [m for m, f in q_rtn["module_formats"].items() if f]
+    a, b = CheckpointDir(rtn.out_dir), CheckpointDir(gptq.out_dir)
+    assert any(not torch.equal(a.read(f"{m}.qweight"), b.read(f"{m}.qweight")) for m in quantized)  # GPTQ's codes
 
 
 @pytest.mark.parametrize("value, message", [
@@ -70,9 +85,9 @@ def test_bad_budgets_are_one_line_and_write_nothing(src, tmp_path, capsys, value
 
 def test_target_bpw_refuses_flags_that_choose_formats(src, tmp_path, capsys):
     code = main(["quantize", str(src), "--out", str(tmp_path / "q"), "--target-bpw", "5", "--bits", "8",
-                 "--method", "gptq"])
+                 "--symmetric", "--act-order"])
     err = capsys.readouterr().err.strip()
-    assert code != 0 and err == "error: --target-bpw chooses every tensor's format (round to nearest); drop --bits, --method"
+    assert code != 0 and err == "error: --target-bpw chooses every tensor's format; drop --bits, --symmetric, --act-order"
     with pytest.raises(QliteError, match="must be a positive number"):
         budget_convert(src, tmp_path / "q", target_bpw=float("inf"))
     assert list(tmp_path.iterdir()) == []
@@ -106,8 +121,9 @@ def test_a_loose_target_kld_takes_the_smallest_mix_and_one_out_of_reach_writes_n
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--target-kld", "0.1", "--no-report"], "--target-kld chooses every tensor's format (round to nearest); drop --no-report"),
-    (["--target-bpw", "5", "--target-kld", "0.1"], "--target-bpw chooses every tensor's format (round to nearest); drop --target-kld"),
+    (["--target-kld", "0.1", "--no-report"], "--target-kld chooses every tensor's format; drop --no-report"),
+    (["--target-kld", "0.1", "--method", "gptq"], "--target-kld chooses every tensor's format; drop --method"),
+    (["--target-bpw", "5", "--target-kld", "0.1"], "--target-bpw chooses every tensor's format; drop --target-kld"),
     (["--target-kld", "-1"], "Invalid value for '--target-kld': -1 is not > 0"),
 ])
 def test_target_kld_flag_errors(untied, tmp_path, capsys, flags, message):
