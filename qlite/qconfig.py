@@ -167,8 +167,7 @@ class QuantConfig:
         text = f"{self.method} {self.linear.name}"
         if self.module_formats:
             names = sorted({f.name if f else "16-bit" for _, f in self.module_formats})
-            text = f"{self.method} mixed ({len(self.module_formats)} linears in their own format: {', '.join(names)}; " \
-                   f"others {self.linear.name})"
+            text = f"{self.method} mixed: {', '.join(names)} ({len(self.module_formats)} linears by name)"
         text += f", lm_head {self.lm_head.name if self.lm_head else '16-bit'}"
         if self.embeddings:
             text += f", embeddings {self.embeddings.name}"

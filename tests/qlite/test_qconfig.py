@@ -81,7 +81,7 @@ def test_module_formats_take_precedence_and_round_trip():
                                                                  "model.layers.1.self_attn.q_proj": None}
     assert QuantConfig.from_dict(d, "c.json") == q
     assert QuantConfig.from_dict({**d, "input_order": True}, "c.json").input_order  # both features: version 3
-    assert q.suffix == "bpw5.5" and "mixed (2 linears in their own format: 16-bit, int8; others int4-g64)" in q.describe()
+    assert q.suffix == "bpw5.5" and "rtn mixed: 16-bit, int8 (2 linears by name), lm_head int8" in q.describe()
 
 
 @pytest.mark.parametrize("change, message", [
