@@ -80,11 +80,14 @@ class Format:
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
 
+    def nbytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of the stored tensors of one [N, K] weight."""
+        return sum(torch.empty((), dtype=d).element_size() * math.prod(s)
+                   for d, s in self.stored_shapes(out_features, in_features).values())
+
     def bits_per_weight(self, in_features: int) -> float:
         """Storage bits per weight, scales and zero points included (from the stored shapes)."""
-        stored = self.stored_shapes(1, in_features).items()
-        bits = sum(8 * torch.empty((), dtype=d).element_size() * math.prod(s) for _, (d, s) in stored)
-        return bits / in_features
+        return 8 * self.nbytes(1, in_features) / in_features
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """A float weight [N, K] -> its stored tensors, CHUNK_ROWS rows at a time."""

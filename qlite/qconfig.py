@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .errors import QliteError
 from .formats import Format, Int4, Int8, format_for_fields, format_named
@@ -145,11 +146,13 @@ class QuantConfig:
         if module_name == EMBEDDINGS:
             return self.embeddings
         m = _DECODER_LINEAR.fullmatch(module_name)
-        if m and self.module_formats:
-            own = dict(self.module_formats)
-            if module_name in own:
-                return own[module_name]
+        if m and module_name in self._own_formats:
+            return self._own_formats[module_name]
         return self.linear if m and m[1] in self.modules else None
+
+    @cached_property
+    def _own_formats(self) -> dict[str, Format | None]:
+        return dict(self.module_formats)
 
     @property
     def suffix(self) -> str:

@@ -41,9 +41,7 @@ TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one s
 
 def stored_bytes(fmt: Format | None, shape: tuple[int, int], element_size: int) -> int:
     """Bytes of one [N, K] weight stored in fmt (None: copied, the source's element size)."""
-    if fmt is None:
-        return math.prod(shape) * element_size
-    return sum(torch.empty((), dtype=d).element_size() * math.prod(s) for d, s in fmt.stored_shapes(*shape).values())
+    return math.prod(shape) * element_size if fmt is None else fmt.nbytes(*shape)
 
 
 def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | None, int]]:
@@ -141,7 +139,7 @@ def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: 
                               embeddings=format_named("int8"))
     src, out = source_and_output(src, out, provisional, force)
     plan_conversion(src, provisional, report=False)
-    if not (src.path / "tokenizer.json").exists():
+    if not can_measure(src):  # a broken one is an error here too
         raise QliteError(f"{flag}: {src.path} has no tokenizer.json to read the calibration text with")
     return Mixer(src, tuple(skip)), out
 
@@ -201,8 +199,6 @@ def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: f
     t0 = time.perf_counter()
     settings = {"target_kld": target_kld, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
     mixer, out = prepare(src, out, settings, skip, force, "--target-kld")
-    if not can_measure(mixer.src):
-        raise QliteError(f"--target-kld: {mixer.src.path} has no tokenizer.json to measure with")
     mixer.measure(windows, seqlen, samples, progress)
     hi = mixer.largest_bytes()
 
