@@ -28,8 +28,16 @@ def _prompt_ids(tokenize, n: int) -> list[int]:
 
 
 def _mem() -> tuple[int, int]:
-    from qlite.memory import peak_rss_bytes, rss_bytes
-    return rss_bytes(), peak_rss_bytes()
+    """Resident memory now: all of it, and the anonymous part (not pages of mapped files)."""
+    from qlite.memory import anon_rss_bytes, rss_bytes
+    return rss_bytes(), anon_rss_bytes()
+
+
+def _result(load_s: float, runs: list[dict], before: tuple[int, int]) -> dict:
+    from qlite.memory import peak_rss_bytes
+    rss, anon = _mem()
+    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - before[0], "anon_above_torch": anon - before[1],
+            "peak_rss": peak_rss_bytes()}
 
 
 def run_qlite(spec: dict) -> dict:
@@ -38,7 +46,7 @@ def run_qlite(spec: dict) -> dict:
     from qlite.pipeline import load
 
     torch.set_num_threads(spec["threads"])
-    rss0, _ = _mem()
+    before = _mem()
     t = time.perf_counter()
     lm = load(spec["path"], dtype=spec.get("dtype", "auto"))
     load_s = time.perf_counter() - t
@@ -53,8 +61,7 @@ def run_qlite(spec: dict) -> dict:
         n = sum(1 for _ in it)
         decode_s = time.perf_counter() - t0 - ttft
         runs.append({"ttft_s": ttft, "prefill_tps": len(prompt) / ttft, "decode_tps": n / decode_s})
-    rss, peak = _mem()
-    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+    return _result(load_s, runs, before)
 
 
 def run_transformers(spec: dict) -> dict:
@@ -62,7 +69,7 @@ def run_transformers(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(spec["threads"])
-    rss0, _ = _mem()
+    before = _mem()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype, attn_implementation="eager").eval()
@@ -81,15 +88,14 @@ def run_transformers(spec: dict) -> dict:
             total = time.perf_counter() - t0
             runs.append({"ttft_s": ttft, "prefill_tps": prompt.shape[1] / ttft,
                          "decode_tps": (spec["new_tokens"] - 1) / max(total - ttft, 1e-9)})
-    rss, peak = _mem()
-    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+    return _result(load_s, runs, before)
 
 
 def run_llama_cpp(spec: dict) -> dict:
     import torch  # noqa: F401  (the same baseline as the others: RSS above a bare import torch)
     from llama_cpp import Llama
 
-    rss0, _ = _mem()
+    before = _mem()
     t = time.perf_counter()
     llm = Llama(model_path=spec["path"], n_ctx=spec["prompt_tokens"] + spec["new_tokens"] + 8,
                 n_threads=spec["threads"], n_threads_batch=spec["threads"], n_batch=512, verbose=False)
@@ -109,8 +115,7 @@ def run_llama_cpp(spec: dict) -> dict:
         decode_s = time.perf_counter() - t0
         runs.append({"ttft_s": ttft, "prefill_tps": len(prompt) / ttft,
                      "decode_tps": (spec["new_tokens"] - 1) / decode_s})
-    rss, peak = _mem()
-    return {"load_s": load_s, "runs": runs, "rss_above_torch": rss - rss0, "peak_rss": peak}
+    return _result(load_s, runs, before)
 
 
 RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
@@ -188,24 +193,27 @@ def summarize(label: str, spec: dict, result: dict, bandwidth: float) -> dict:
     for key in ("prefill_tps", "decode_tps", "ttft_s"):
         values = [r[key] for r in result["runs"]]
         row[key] = (statistics.median(values), min(values), max(values))
-    row.update(load_s=result["load_s"], rss_mib=result["rss_above_torch"] / 2**20, peak_mib=result["peak_rss"] / 2**20)
+    row.update(load_s=result["load_s"], rss_mib=result["rss_above_torch"] / 2**20,
+               anon_mib=result["anon_above_torch"] / 2**20, peak_mib=result["peak_rss"] / 2**20)
     return row
 
 
 def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwidth: float) -> str:
     lines = [header, "", "| model | engine | decode tok/s | share of cap | prefill tok/s | TTFT s | load s "
-             "| RSS above torch MiB | peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| RSS above torch MiB (anonymous) | peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | | |")
             continue
         f = lambda k, p=1: f"{r[k][0]:.{p}f} ({r[k][1]:.{p}f}-{r[k][2]:.{p}f})"
         lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {r['decode_tps'][0] / r['cap']:.0%} of "
-                     f"{r['cap']:.0f} | {f('prefill_tps')} | {f('ttft_s', 2)} | {r['load_s']:.1f} | {r['rss_mib']:.0f} "
-                     f"| {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
+                     f"{r['cap']:.0f} | {f('prefill_tps')} | {f('ttft_s', 2)} | {r['load_s']:.2f} | {r['rss_mib']:.0f} "
+                     f"({r['anon_mib']:.0f}) | {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
     lines += ["", f"Cap: {bandwidth / 1e9:.0f} GB/s of memory bandwidth over the weight bytes one decode step reads "
               "(all but the embedding, at the dtype the engine runs). Resident memory is measured after the "
-              "runs, above a bare `import torch` in the same process (the tokenizer included)."]
+              "runs, above a bare `import torch` in the same process (the tokenizer included); in brackets the "
+              "anonymous part, the rest being pages of mapped files (shared with every process that maps them). "
+              "Load time: from the call to a model ready to run, tokenizer included."]
     by_name = {r["name"]: r for r in rows if "error" not in r}
     if pairs:
         lines += ["", "| ratio (median decode, median prefill) | decode | prefill |", "|---|---|---|"]

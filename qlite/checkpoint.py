@@ -3,8 +3,10 @@ files such as the tokenizer. Safetensors only: no pickle is ever loaded. (Writin
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 
 from .config import Qwen2Config, read_json
 from .errors import QliteError
+from .memory import drop_pages
 
 INDEX_NAME = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -30,6 +33,7 @@ class TensorInfo:
     file: Path
     dtype: str  # the safetensors name: F16, U8, ...
     shape: tuple[int, ...]
+    offset: int = 0  # where its bytes start in the file
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -95,16 +99,18 @@ class CheckpointDir:
 
     @functools.cached_property
     def tensors(self) -> dict[str, TensorInfo]:
-        """Every tensor by name, in file order, from the headers alone."""
+        """Every tensor by name, in file order, from the headers alone (checked by safetensors:
+        offsets inside the file, no overlaps; the offsets themselves read from the same header)."""
         from safetensors import SafetensorError, safe_open
 
         out = {}
         for path in self.files():
             try:
                 with safe_open(path, framework="pt") as f:
+                    starts = _data_starts(path)
                     for name in f.keys():
                         sl = f.get_slice(name)
-                        out[name] = TensorInfo(path, sl.get_dtype(), tuple(sl.get_shape()))
+                        out[name] = TensorInfo(path, sl.get_dtype(), tuple(sl.get_shape()), starts[name])
             except SafetensorError as e:
                 raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
         return out
@@ -118,16 +124,50 @@ class CheckpointDir:
         not stay resident once the tensor is converted or copied); a float tensor must be finite."""
         from safetensors import safe_open
 
+        info = self._info(name)
+        with safe_open(info.file, framework="pt", device="cpu") as f:
+            return _finite(f.get_tensor(name), info, name)
+
+    def mapped(self, names: list[str]) -> torch.Tensor | None:
+        """The tensors `names`, rows concatenated, as one view of the file's mapping when they lie
+        back to back in one file with one dtype and row shape (else None). One private,
+        copy-on-write mapping per file, kept alive by its views: nothing is copied, the page cache
+        is shared with every other process reading the file, and the file is never written. Float
+        data must be finite."""
+        infos = [self._info(n) for n in names]
+        first = infos[0]
+        for prev, info in zip(infos, infos[1:]):
+            if (info.file, info.dtype, info.shape[1:]) != (prev.file, prev.dtype, prev.shape[1:]) \
+                    or not info.shape or info.offset != prev.offset + prev.nbytes:
+                return None
+        size = torch.empty((), dtype=first.torch_dtype).element_size()
+        if first.offset % size:  # not element-aligned: only a copy can hold it
+            return None
+        shape = (sum(i.shape[0] for i in infos), *first.shape[1:]) if len(infos) > 1 else first.shape
+        view = torch.empty(0, dtype=first.torch_dtype).set_(self._mapping(first.file), first.offset // size, shape)
+        return _finite(view, first, names[0])
+
+    def release(self, names: list[str]) -> None:
+        """Drop the pages of tensors `names` (read and converted, never used as they are) from this
+        process's mappings, so that they do not stay resident with the views that are used."""
+        for name in names:
+            info = self.tensors[name]
+            if info.file in self._mappings:
+                drop_pages(self._mappings[info.file].data_ptr() + info.offset, info.nbytes)
+
+    def _mapping(self, path: Path) -> torch.UntypedStorage:
+        if path not in self._mappings:
+            self._mappings[path] = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+        return self._mappings[path]
+
+    @functools.cached_property
+    def _mappings(self) -> dict[Path, torch.UntypedStorage]:
+        return {}
+
+    def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise QliteError(f"{self.path}: missing tensor {name}")
-        info = self.tensors[name]
-        with safe_open(info.file, framework="pt", device="cpu") as f:
-            t = f.get_tensor(name)
-        if t.is_floating_point() and t.numel():
-            lo, hi = torch.aminmax(t)  # NaN propagates; one fast pass
-            if not (torch.isfinite(lo) and torch.isfinite(hi)):
-                raise QliteError(f"{info.file}: tensor {name} holds NaN or infinite values")
-        return t
+        return self.tensors[name]
 
     def check_tensors(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected name present with its shape, and nothing else."""
@@ -151,6 +191,23 @@ class CheckpointDir:
             if not _inside(f, self.path):
                 raise QliteError(f"{f}: links to {f.resolve()}, outside the checkpoint dir; refusing to read it")
         return files
+
+
+def _data_starts(path: Path) -> dict[str, int]:
+    """Each tensor's first byte in a safetensors file: 8 bytes of header length, the JSON header,
+    then the data, each tensor at its header's data_offsets."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {name: 8 + n + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+
+
+def _finite(t: torch.Tensor, info: TensorInfo, name: str) -> torch.Tensor:
+    if t.is_floating_point() and t.numel():
+        lo, hi = torch.aminmax(t)  # NaN propagates; one fast pass
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            raise QliteError(f"{info.file}: tensor {name} holds NaN or infinite values")
+    return t
 
 
 def _inside(path: Path, directory: Path) -> bool:

@@ -60,32 +60,31 @@ def check_dtypes(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]]
 def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], convert) -> dict[str, torch.Tensor]:
     """The model's state dict from the checkpoint: `layout` (model.checkpoint_layout) says which
     checkpoint tensors make each model tensor, row blocks in order (names, shapes and dtypes checked
-    already). Each tensor is read, converted (`convert(model key, tensor)`) and copied into its
-    place, one at a time."""
-    where = {}  # checkpoint name -> (model key, first row)
-    for key, parts in layout.items():
-        row = 0
-        for name, shape in parts:
-            where[name] = (key, row)
-            row += shape[0] if shape else 0
+    already). A tensor the run takes as stored (`convert(model key, tensor)` returns it unchanged),
+    its parts back to back in the file, is a view of the file's mapping: nothing copied. Any other
+    is converted or concatenated, and its pages in the mapping dropped."""
+    def stored(name):  # a view of the mapping, or (not element-aligned) a copy read through safetensors
+        view = ckpt.mapped([name])
+        return ckpt.read(name).clone() if view is None else view
+
     state: dict[str, torch.Tensor] = {}
-    for name in ckpt.tensors:
-        key, row = where[name]
-        t = convert(key, ckpt.read(name))
-        parts = layout[key]
-        if len(parts) == 1:
-            state[key] = t
-            continue
+    for key, parts in layout.items():
+        names = [name for name, _ in parts]
         if key.rpartition(".")[2] in SHARED_BY_PARTS:  # every part holds it whole: they must agree
-            if key in state and not torch.equal(state[key], t):
-                raise QliteError(f"{ckpt.tensors[name].file}: tensor {name} differs from {parts[0][0]}; the "
-                                 f"projections qlite fuses need one {key.rpartition('.')[2]}")
-            state[key] = t
-            continue
-        if key not in state:
-            rows = sum(shape[0] for _, shape in parts)
-            state[key] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        state[key][row:row + t.shape[0]] = t
+            for name in names[1:]:
+                if not torch.equal(stored(name), stored(names[0])):
+                    raise QliteError(f"{ckpt.tensors[name].file}: tensor {name} differs from {names[0]}; the "
+                                     f"projections qlite fuses need one {key.rpartition('.')[2]}")
+            names = names[:1]
+        whole = ckpt.mapped(names)
+        if whole is not None:
+            state[key] = convert(key, whole)
+        elif len(names) == 1:
+            state[key] = convert(key, stored(names[0]))
+        else:  # parts apart in the file: one copy
+            state[key] = torch.cat([convert(key, stored(name)) for name in names])
+        if state[key] is not whole:
+            ckpt.release(names)
     return state
 
 
@@ -115,12 +114,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         raise QliteError(f"{ckpt.path / 'config.json'}: quantization_config: {e}") from None
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
 
-    def convert(key, t):
-        # Parameters take the run dtype; quantized buffers keep their stored one. A tensor that needs
-        # no conversion is copied out of the file mapping anyway: an mmap-backed tensor would keep
-        # the whole file mapped, and the pages read for converted tensors resident with it.
-        out = t.to(device=dev, dtype=float_dtype if key in params else t.dtype)
-        return out.clone() if out is t else out
+    def convert(key, t):  # parameters take the run dtype; quantized buffers keep their stored one
+        return t.to(device=dev, dtype=float_dtype if key in params else t.dtype)
 
     layout = checkpoint_layout(model)
     ckpt.check_tensors(checkpoint_shapes(layout))

@@ -83,3 +83,21 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def drop_pages(address: int, nbytes: int) -> None:
+    """Drop the whole pages inside [address, address + nbytes) of a file mapping from this
+    process (madvise MADV_DONTNEED): the next read of them faults them in again from the file. Only
+    for mappings of files never written through (a private page written to would be lost)."""
+    import ctypes
+    import mmap
+
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED

@@ -243,8 +243,10 @@ class Qwen2Model(nn.Module):
         fmt = cfg.quantization.embeddings if cfg.quantization else None
         if fmt is not None:
             fmt.check(cfg.hidden_size, "model.embed_tokens")
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if fmt is None
-                             else QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt))
+        # the table is the loader's to fill: no random init (on the meta device nn.Embedding's
+        # normal_ would import torch._dynamo, 2 s of a 16-bit model's load)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+                             if fmt is None else QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)

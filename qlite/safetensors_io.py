@@ -59,6 +59,20 @@ class SafetensorsWriter:
             raise ValueError(f"tensor {left.name} was planned but never written")
 
 
+def made_in_order(specs: list[TensorSpec], made_by: dict, make, progress=None):
+    """(name, tensor) for each of `specs` in order, for write_sharded: `made_by[name]` is the job
+    that makes a tensor and `make(job)` all of that job's tensors by name. A job is made when its
+    first tensor is due; its others wait until theirs are (so tensors of several jobs can be
+    interleaved in the file). progress(): called once per job made."""
+    made: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        if spec.name not in made:
+            made.update(make(made_by[spec.name]))
+            if progress is not None:
+                progress()
+        yield spec.name, made.pop(spec.name)
+
+
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Split tensors, in order, into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
     shards: list[list[TensorSpec]] = [[]]

@@ -14,7 +14,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +28,7 @@ from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from qlite.outputs import atomic_output_dir, check_output
 from qlite.qconfig import EMBEDDINGS, QuantConfig
-from qlite.safetensors_io import TensorSpec, write_sharded
+from qlite.safetensors_io import TensorSpec, made_in_order, write_sharded
 
 FLOAT_SOURCE = ("F32", "F16", "BF16")
 PARTS = {"lm_head": "lm_head", EMBEDDINGS: "embeddings"}  # output module -> part; any other: "linears"
@@ -46,8 +46,9 @@ class Plan:
     src: CheckpointDir
     qconfig: QuantConfig
     jobs: list[Job]
-    specs: list[TensorSpec]
+    specs: list[TensorSpec]  # in the order written
     side_files: list[Path]  # copied as they are: tokenizer, generation config, chat template, ...
+    made_by: dict[str, Job]  # output tensor name -> the job that makes it
 
     def bits_per_weight(self, part: str) -> float | None:
         """Stored bits per weight of the quantized decoder linears ("linears"), lm_head or the
@@ -144,11 +145,12 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = Fal
     if cfg.tie_word_embeddings and not qconfig.shares_table(True):  # the head in its own format
         head = qconfig.format_for("lm_head")
         jobs.append(Job("model.embed_tokens.weight", "lm_head" if head else "lm_head.weight", head))
-    specs = []
+    specs, made_by = [], {}
     for job in jobs:
         info = src.tensors[job.source]
         if job.fmt is None:
             specs.append(TensorSpec(job.module, info.torch_dtype, info.shape))
+            made_by[job.module] = job
             continue
         try:
             job.fmt.check(info.shape[1], job.module)
@@ -156,10 +158,21 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = Fal
             raise QliteError(f"--group-size: {e}") from None
         for suffix, (dtype, shape) in job.fmt.stored_shapes(*info.shape).items():
             specs.append(TensorSpec(f"{job.module}.{suffix}", dtype, shape))
+            made_by[f"{job.module}.{suffix}"] = job
     if report:
         from .report import can_measure
         can_measure(src)
-    return Plan(src, qconfig, jobs, specs, src.side_files())
+    return Plan(src, qconfig, jobs, loading_order(specs, replace(cfg, quantization=qconfig)), src.side_files(),
+                made_by)
+
+
+def loading_order(specs: list[TensorSpec], cfg) -> list[TensorSpec]:
+    """`specs` in the order the loader takes them for a model of `cfg`: the parts of a fused
+    projection (q, k, v; gate, up) back to back, so that each fused tensor is one view of the file."""
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    order = {name: i for i, name in enumerate(checkpoint_shapes(checkpoint_layout(model)))}
+    return sorted(specs, key=lambda s: order.get(s.name, len(order)))
 
 
 def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantConfig, force: bool
@@ -183,15 +196,16 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
 
     large_allocations_from_mmap()  # freed tensors go back to the OS at once: memory stays one tensor deep
 
+    def made(job: Job) -> dict[str, torch.Tensor]:  # a job's output tensors by name
+        if job.fmt is None:
+            return {job.module: plan.src.read(job.source)}
+        return {f"{job.module}.{suffix}": t for suffix, t in stored_for(job).items()}
+
     def produce():
         from tqdm import tqdm
 
-        for job in tqdm(plan.jobs, desc="quantize", unit="tensor", disable=not progress):
-            if job.fmt is None:
-                yield job.module, plan.src.read(job.source)
-                continue
-            for suffix, t in stored_for(job).items():
-                yield f"{job.module}.{suffix}", t
+        with tqdm(total=len(plan.jobs), desc="quantize", unit="tensor", disable=not progress) as bar:
+            yield from made_in_order(plan.specs, plan.made_by, made, bar.update)
 
     with atomic_output_dir(out, force=force, inputs=(plan.src.path,)) as tmp:
         write_sharded(tmp, plan.specs, produce(), max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})

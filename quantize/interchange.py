@@ -28,10 +28,10 @@ from qlite.errors import QliteError
 from qlite.formats import Format, Int4, Int8
 from qlite.outputs import atomic_output_dir, check_output
 from qlite.qconfig import EMBEDDINGS, LINEAR_KINDS, QuantConfig
-from qlite.safetensors_io import TensorSpec, write_sharded
+from qlite.safetensors_io import TensorSpec, made_in_order, write_sharded
 
 from . import foreign
-from .convert import expected_tensors
+from .convert import expected_tensors, loading_order
 
 EXPORT_TARGETS = ("compressed-tensors", "gptq", "gguf")
 CT_SPEC_VERSION = "0.20.1"  # the compressed-tensors release whose pack-quantized layout this writes
@@ -70,16 +70,20 @@ class Output:
     def specs(self) -> list[TensorSpec]:
         return [s for job in self.jobs for s in job.specs]
 
-    def tensors(self, progress: bool, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, specs: list[TensorSpec], progress: bool, desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of `specs` (this output's, in any order), each job made when first due."""
         from tqdm import tqdm
-        for job in tqdm(self.jobs, desc=desc, unit="tensor", disable=not progress, leave=False):
-            yield from job.make().items()
+        made_by = {s.name: job for job in self.jobs for s in job.specs}
+        with tqdm(total=len(self.jobs), desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
+            yield from made_in_order(specs, made_by, lambda job: job.make(), bar.update)
 
 
 def write_dir(src: CheckpointDir, out: Path, output: Output, config: dict, force: bool, progress: bool,
-              desc: str, skip_files=()) -> None:
+              desc: str, skip_files=(), specs: list[TensorSpec] | None = None) -> None:
+    """specs: the order to write the output's tensors in (default: its jobs' order)."""
+    specs = output.specs() if specs is None else specs
     with atomic_output_dir(out, force=force, inputs=(src.path,)) as tmp:
-        write_sharded(tmp, output.specs(), output.tensors(progress, desc), metadata={"format": "pt"})
+        write_sharded(tmp, specs, output.tensors(specs, progress, desc), metadata={"format": "pt"})
         for f in src.side_files():
             if f.name not in skip_files:
                 shutil.copyfile(f.resolve(), tmp / f.name)
@@ -477,7 +481,8 @@ def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, pro
     config = {**base, "quantization_config": qcfg.to_dict()}
     if "lm_head" in formats:
         config["tie_word_embeddings"] = False
-    write_dir(src_dir, out, output, config, force, progress, "import", skip_files=("quantize_config.json",))
+    order = loading_order(output.specs(), Qwen2Config.from_dict(config, source=str(src_dir.path / "config.json")))
+    write_dir(src_dir, out, output, config, force, progress, "import", skip_files=("quantize_config.json",), specs=order)
     return qcfg
 
 

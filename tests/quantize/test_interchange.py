@@ -175,6 +175,8 @@ def test_export_import_round_trip(quantized, tmp_path, name, to):
         assert torch.equal(back["lm_head.weight"], head)
     else:
         assert set(back) == set(ours)
+    qkv = [f"model.layers.0.self_attn.{p}_proj.qweight" for p in "qkv"]
+    assert CheckpointDir(tmp_path / "back").mapped(qkv) is not None  # written for the loader: back to back
 
 
 def test_act_order_gptq_import_runs_and_round_trips(quantized, tmp_path):
