@@ -1,7 +1,8 @@
 """The decoding kernels side by side, one process: for each demo-model shape and row count, qlite's
 integer-activation product (native.gemv_vnni), its bf16-activation product (native.gemv_int4 /
 gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
-three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head).
+three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
+in int4-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
@@ -24,6 +25,12 @@ from qlite.generate import SamplingParams, filter_min_p, filter_top_k, filter_to
 SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder linears and lm_head
     ("gate_up int4-g128", Int4(128), 9728, 896),
     ("down int4-g128", Int4(128), 896, 4864),
+    ("gate_up int4-g64", Int4(64), 9728, 896),
+    ("down int4-g64", Int4(64), 896, 4864),
+    ("gate_up int4-g32", Int4(32), 9728, 896),  # no bf16-activation product: its steps are 64 weights
+    ("down int4-g32", Int4(32), 896, 4864),
+    ("gate_up int8-g32", Int8(32), 9728, 896),
+    ("down int8-g32", Int8(32), 896, 4864),
     ("lm_head int8", Int8(None), 151936, 896),
 ]
 
@@ -46,8 +53,8 @@ def cell(times: list[float]) -> str:
     return f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})"
 
 
-def contenders(stored) -> dict:
-    """NAMES -> a function of x (M, K) for this weight."""
+def contenders(stored, fmt) -> dict:
+    """NAMES -> a function of x (M, K) for this weight, where the format has that kernel."""
     q, s, z = stored["qweight"], stored["scales"], stored.get("zeros")
     if z is None:
         funcs = (lambda x: native.gemv_vnni(x, q, s, None, None), lambda x: native.gemv_int8(x, q, s, None),
@@ -55,7 +62,10 @@ def contenders(stored) -> dict:
     else:
         funcs = (lambda x: native.gemv_vnni(x, q, s, z, None), lambda x: native.gemv_int4(x, q, s, z, None),
                  lambda x: F.linear(x, native.dequantize_int4(q, s, z)))
-    return dict(zip(NAMES, funcs))
+    out = dict(zip(NAMES, funcs))
+    if isinstance(fmt, Int4) and fmt.group_size % 64:
+        del out["bf16 x"]
+    return out
 
 
 SAMPLING = {  # the settings of Qwen2.5-*-Instruct's generation_config, and a common CLI choice
@@ -99,16 +109,17 @@ def main(rows, calls, threads, sampling):
     print("|---|---|---|---|---|---|")
     for name, fmt, N, K in SHAPES:
         stored = fmt.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
-        funcs = contenders(stored)
+        funcs = contenders(stored, fmt)
         for M in (int(r) for r in rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             for f in funcs.values():
                 f(x)  # warm up
             times = interleaved({k: lambda f=f: f(x) for k, f in funcs.items()},
                                 calls if N < 100_000 else max(3, calls // 6))
-            cells = [cell(t) for t in times.values()]
-            ratio = statistics.median(times["bf16 x"]) / statistics.median(times["integer x (vnni)"])
-            print(f"| {name} {N}x{K} | {M} | {' | '.join(cells)} | {ratio:.2f} |", flush=True)
+            cells = [cell(times[k]) if k in times else "-" for k in NAMES]
+            ratio = (f"{statistics.median(times['bf16 x']) / statistics.median(times['integer x (vnni)']):.2f}"
+                     if "bf16 x" in times else "-")
+            print(f"| {name} {N}x{K} | {M} | {' | '.join(cells)} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

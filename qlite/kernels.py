@@ -196,14 +196,15 @@ class VnniInt8(NativeInt8):
 
 
 class VnniInt4(NativeInt4):
-    """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks)."""
+    """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
+    of 32 too (NativeInt4's own product needs 64)."""
     name = "vnni-int4"
     max_rows = native.VNNI_MAX_ROWS
     gemv = staticmethod(native.gemv_vnni)
 
     @staticmethod
     def supports(layer) -> bool:
-        return NativeInt4.supports(layer) and _vnni_fits(layer)
+        return isinstance(layer.fmt, Int4) and _on_cpu(layer) and _vnni_fits(layer)
 
 
 class NativeBf16:

@@ -159,12 +159,12 @@ def _check_int8(qweight, scales) -> None:
     _check_groups(N, K, scales.shape[-1], 32)
 
 
-def _check_int4(qweight, scales, zeros) -> None:
+def _check_int4(qweight, scales, zeros, weights_per_step: int = 64) -> None:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     _check(qweight, torch.uint8, (N, K // 2), "qweight")
     _check(scales, torch.float16, (N, scales.shape[-1]), "scales")
     _check(zeros, torch.uint8, (N, scales.shape[-1]), "zeros")
-    _check_groups(N, K, scales.shape[-1], 64)
+    _check_groups(N, K, scales.shape[-1], weights_per_step)
 
 
 def vnni_ready() -> bool:
@@ -173,8 +173,9 @@ def vnni_ready() -> bool:
 
 
 def vnni_fits(in_features: int, group_size: int) -> bool:
-    """Whether gemv_vnni takes a layer: groups and the width whole CHUNKs."""
-    return in_features % CHUNK == 0 and group_size % CHUNK == 0 and in_features // group_size <= MAX_GROUPS
+    """Whether gemv_vnni takes a layer: the width whole CHUNKs, groups whole CHUNKs or 32 or 64 wide."""
+    return (in_features % CHUNK == 0 and (group_size % CHUNK == 0 or group_size in (32, 64))
+            and in_features // group_size <= MAX_GROUPS)
 
 
 def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
@@ -182,9 +183,9 @@ def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
     for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
-    _check_int4(qweight, scales, zeros) if int4 else _check_int8(qweight, scales)
+    _check_int4(qweight, scales, zeros, 32) if int4 else _check_int8(qweight, scales)
     _check_rule(vnni_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
-                f"not whole chunks of {CHUNK} (or no AVX-512 VNNI)")
+                f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no AVX-512 VNNI)")
     _check_gemv(x, K, bias32, N)
     xb, M, y, out_bf16 = _gemv_io(x, K, N)
     library().qlite_gemv_vnni(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), _ptr(zeros), int(int4),
@@ -211,7 +212,7 @@ def dequantize_int8(qweight, scales, out: torch.Tensor | None = None) -> torch.T
 
 def dequantize_int4(qweight, scales, zeros, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
-    _check_int4(qweight, scales, zeros)
+    _check_int4(qweight, scales, zeros, 32)  # 32 weights a step
     out = _bf16_out(out, N, K)
     library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K,
                                     out.data_ptr(), torch.get_num_threads())

@@ -3,8 +3,9 @@ layer's q/k/v, o_proj, gate/up and down_proj, the embeddings, lm_head) such that
 together take at most B bits per parameter (every stored byte, norms and biases included, times 8,
 over the source's parameter count), with the least estimated KLD.
 
-Candidates are the formats with native kernels on every layer width they divide (CANDIDATES), and
-16-bit (the source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
+Candidates are the formats with native kernels on every layer width they divide (CANDIDATES; int4-g32's
+needs AVX-512 VNNI, as the CPUs with the native kernels' AVX-512 BF16 all have), and 16-bit (the
+source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
 (quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
 a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then written by the streaming converter
 as any other, with per-module formats in its quantization_config (format_version 3).
@@ -34,7 +35,7 @@ from .knapsack import choose
 from .report import can_measure
 from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
 
-CANDIDATES = ("int4-g128", "int4-g64", "int8", "int8-g32")  # and 16-bit (None)
+CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "int8-g32")  # and 16-bit (None)
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
 TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
 

@@ -195,7 +195,8 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
  * A chunk of 128 inputs sums its products in 16 int32 lanes; each lane's 8 inputs are one block of x with
  * its own scale (finer than llama.cpp's 32, for free: the scales are a vector), so
  * y[m, n] = sum_c sw[g(c)] sum_lanes xs[m, c, lane] dot_lane  -  sum_g sw[g] z[g] xsum[m, g]  (int4 only):
- * the stored weights (q - z) sw exactly, times x's integer image. Groups are whole chunks (native.py checks).
+ * the stored weights (q - z) sw exactly, times x's integer image. Groups are whole chunks, or 32 or 64
+ * inputs: int4's lanes each lie in one group, int8's vectors of 32 inputs each (native.py checks).
  * int4's 64 bytes hold 128 weights, even k in the low nibbles, so its activation chunk is stored
  * [64 even | 64 odd]; int8's in k order. Weights are unpacked once per chunk for XTILE activation rows. */
 #if defined(__AVX512VNNI__)
@@ -217,7 +218,7 @@ static inline __m512 inverse(__m512 a, float top) {  /* top / a, 0 where a is 0 
 /* int4's activations: x bf16 [M, K] -> xq int8 [M, K] (layout above), xs fp32 [M, K / CHUNK, 16] (each
  * dot-product lane's scale: its block is the 8 inputs k = 8 lane .. 8 lane + 7 of the chunk), xsum fp32 [M, G] */
 static void quantize_activations_int8(const uint16_t *x, long M, long K, long G, int8_t *xq, float *xs, float *xsum) {
-    long C = K / CHUNK, per_group = C / G;
+    long C = K / CHUNK, gsize = K / G, per_group = C / G;  /* per_group: chunks per group (0: groups of 32 or 64) */
     const __m512i high = _mm512_set1_epi32((int)0xffff0000);
     const __m512i every_4th = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (long m = 0; m < M; m++)
@@ -235,9 +236,15 @@ static void quantize_activations_int8(const uint16_t *x, long M, long K, long G,
                 __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(even, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(odd, inv));
                 _mm_storeu_si128((__m128i *)(dst + 16 * j), _mm512_cvtsepi32_epi8(qa));  /* |q| <= 127 */
                 _mm_storeu_si128((__m128i *)(dst + 64 + 16 * j), _mm512_cvtsepi32_epi8(qb));
-                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qa, qb)), d, sum);
+                if (per_group) sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qa, qb)), d, sum);
+                else {  /* these 32 inputs (k = 32 j ..) lie in one group of 32 or 64 */
+                    long g = m * G + (c * CHUNK + 32 * j) / gsize;
+                    if ((c * CHUNK + 32 * j) % gsize == 0) xsum[g] = 0.f;
+                    xsum[g] += _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qa, qb)), d));
+                }
                 _mm_storeu_ps(lane_scale + 4 * j, _mm512_castps512_ps128(_mm512_permutexvar_ps(every_4th, d)));
             }
+            if (!per_group) continue;
             if (c % per_group == 0) xsum[m * G + c / per_group] = 0.f;
             xsum[m * G + c / per_group] += _mm512_reduce_add_ps(sum);
         }
@@ -271,13 +278,23 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
  * sz[r][g] = sw z (int4) for the zero-point term, summed into the same vector before the one reduction. */
 static inline __attribute__((always_inline)) void vnni_rows(
         const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const float (*sw)[MAX_GROUPS],
-        const float (*sz)[MAX_GROUPS], int int4, int nrows, int mrows, float *out) {
-    long C = K / CHUNK, per_group = C / G, wbytes = int4 ? K / 2 : K;
+        const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
+    /* small: groups of 32 or 64, several per chunk. int4: lane l's 8 inputs lie in group l / (gsize / 8) of the
+     * chunk, so the weight scale is a vector (lane_sw) instead of one number; int8: each of the 4 vectors'
+     * 32 inputs lie in one group, so its dot product is scaled on its own */
+    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i lane_group = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 in_chunk == 4 ? 2 : 3);  /* l / 4 (groups of 32), l / 8 (of 64) */
+    const __mmask16 chunk_groups = (__mmask16)((1u << in_chunk) - 1);
+    float lane_sw[ROWS][16];
     __m512 total[ROWS][XTILE];
     for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
-    for (long g = 0, c = 0; g < G; g++)
+    for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
+        if (int4 && small)
+            for (int r = 0; r < nrows; r++)
+                _mm512_storeu_ps(lane_sw[r], _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(chunk_groups, sw[r] + g)));
         __m512i wv[ROWS][4];  /* int4: 2 vectors of u8 codes (even k, odd k); int8: 4 of s16 codes */
         for (int r = 0; r < nrows; r++) {
             const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * (int4 ? CHUNK / 2 : CHUNK);
@@ -298,10 +315,17 @@ static inline __attribute__((always_inline)) void vnni_rows(
                 xv[i] = _mm512_loadu_si512((const uint8_t *)xq + (m * K + c * CHUNK) * (int4 ? 1 : 2) + 64 * i);
             for (int r = 0; r < nrows; r++) {
                 __m512i dot = _mm512_setzero_si512();
+                if (!int4 && small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
+                    for (int i = 0; i < 4; i++)
+                        total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, wv[r][i], xv[i])),
+                                                      _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g + i * in_chunk / 4])), total[r][m]);
+                    continue;
+                }
                 if (int4) dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, wv[r][0], xv[0]), wv[r][1], xv[1]);
                 else for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
                 /* the weight scale as a broadcast memory operand: no register held for it */
-                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g])), total[r][m]);
+                __m512 scale = small ? _mm512_loadu_ps(lane_sw[r]) : _mm512_set1_ps(sw[r][g]);
+                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), total[r][m]);
             }
         }
     }
@@ -319,6 +343,7 @@ static inline __attribute__((always_inline)) void vnni_rows(
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *scales, const uint8_t *zeros, int int4,
                      long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
     long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
+    int small = G > C;  /* groups of 32 or 64 (native.py checks) */
     void *xq = malloc(xbytes * M * K);
     float *xs = malloc(sizeof(float) * M * C * 16), *xsum = malloc(sizeof(float) * M * G);
     if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else quantize_activations_int16(x, M, K, xq, xs);
@@ -337,13 +362,16 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
             float out[ROWS * XTILE];
             const void *xm = (const uint8_t *)xq + m0 * K * xbytes;
             const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
-            if (nrows == ROWS && mrows == XTILE) {
-                if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, ROWS, XTILE, out);
-                else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, ROWS, XTILE, out);
-            } else if (nrows == ROWS && mrows == 1) {
-                if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, ROWS, 1, out);
-                else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, ROWS, 1, out);
-            } else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, int4, nrows, mrows, out);
+            /* constant arguments for the common shapes: the compiler specialises each */
+            #define VNNI_ROWS(NR, MR) do { \
+                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 1, NR, MR, out); \
+                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 0, NR, MR, out); \
+                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 1, NR, MR, out); \
+                else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 0, NR, MR, out); } while (0)
+            if (nrows == ROWS && mrows == XTILE) VNNI_ROWS(ROWS, XTILE);
+            else if (nrows == ROWS && mrows == 1) VNNI_ROWS(ROWS, 1);
+            else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, mrows, out);
+            #undef VNNI_ROWS
             for (int r = 0; r < nrows; r++)
                 for (int m = 0; m < mrows; m++)
                     store(y, out_bf16, (m0 + m) * N + n + r, out[r * XTILE + m] + (bias ? bias[n + r] : 0.f));

@@ -81,7 +81,8 @@ def int_activations(x: torch.Tensor, int4: bool) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not native.vnni_ready(), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int8(None), Int8(128)], ids=str)
+@pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int4(64), Int4(32), Int8(None), Int8(128),
+                                 Int8(64), Int8(32)], ids=str)
 @pytest.mark.parametrize("rows, n", [(1, 37), (6, 256), (16, 40)])  # partial blocks of 4 weight rows / 4 x rows
 def test_gemv_vnni_is_the_product_with_integer_activations(fmt, rows, n):
     K = 384
@@ -208,10 +209,10 @@ def kld(ref, logits):
     return (ref.softmax(-1) * (ref.log_softmax(-1) - logits.log_softmax(-1))).sum(-1).mean().item()
 
 
-RUNS_ON = {  # the kernels each backend gives the tiny checkpoints' linears (int4 g64 is not whole VNNI chunks)
+RUNS_ON = {  # the kernels each backend gives the tiny checkpoints' linears
     "native-a16": {"bf16": {"native-bf16"}, "int8": {"native-int8"}, "int4": {"native-int4", "native-int8"},
                    "int4-g128": {"native-int4", "native-int8"}},
-    "native": {"bf16": {"native-bf16"}, "int8": {"vnni-int8"}, "int4": {"native-int4", "vnni-int8"},
+    "native": {"bf16": {"native-bf16"}, "int8": {"vnni-int8"}, "int4": {"vnni-int4", "vnni-int8"},
                "int4-g128": {"vnni-int4", "vnni-int8"}},
 }
 
@@ -274,8 +275,8 @@ def test_a_wrong_call_is_an_error_never_an_out_of_bounds_access():
         "zeros of another group count": lambda: native.gemv_int4(x, q4, s4, z4[:, :1], None),
         "groups that do not divide": lambda: native.gemv_int8(x, q8, torch.ones(N, 3, dtype=torch.float16), None),
         "x of another width": lambda: native.gemv_int8(x[:, :128], q8, s8, None),
-        "groups narrower than a VNNI chunk": lambda: native.gemv_vnni(x, q8, torch.ones(N, 4, dtype=torch.float16),
-                                                                      None, None),
+        "groups of 16 in a VNNI chunk": lambda: native.gemv_vnni(x, q8, torch.ones(N, 16, dtype=torch.float16),
+                                                                 None, None),
         "int4 zeros of another group count": lambda: native.gemv_vnni(x, q4, s4, z4[:, :1], None),
         "a short bias": lambda: native.gemv_bf16(x, torch.zeros(N, K, dtype=torch.bfloat16), torch.zeros(N - 1), ),
         "a strided weight": lambda: native.gemv_bf16(x, torch.zeros(K, N, dtype=torch.bfloat16).t(), None),

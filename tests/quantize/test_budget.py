@@ -45,8 +45,10 @@ def test_budgets_are_never_exceeded_and_more_budget_buys_fidelity(src, tmp_path)
 
 
 def test_a_mixed_checkpoint_runs_close_to_its_source(src, tmp_path):
-    s = budget_convert(src, tmp_path / "mix", target_bpw=6.0, windows=4, seqlen=64, samples=2, progress=False,
-                       report=False)
+    """With the default calibration: with 4 x 64 tokens and 2 samples the estimates are noisy enough that
+    one more format to choose from (int4-g32) made the 6-bit mix 2x further off (0.076 against 0.037);
+    with the defaults the two choice sets land within 10% of each other."""
+    s = budget_convert(src, tmp_path / "mix", target_bpw=6.0, progress=False, report=False)
     formats = set(json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["module_formats"].values())
     assert len(formats) >= 2  # a mix, not one format
     ids = torch.arange(40)[None] % 300
