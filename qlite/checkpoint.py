@@ -52,6 +52,7 @@ class CheckpointDir:
         self.path = Path(path).expanduser()
         if not self.path.is_dir():
             raise QliteError(f"{self.path}: not a directory")
+        self._mappings: dict[Path, torch.UntypedStorage] = {}  # mapped(): one mapping per file, made when first used
 
     @functools.cached_property
     def config_dict(self) -> dict:
@@ -107,10 +108,12 @@ class CheckpointDir:
         for path in self.files():
             try:
                 with safe_open(path, framework="pt") as f:
-                    starts = _data_starts(path)
+                    spans = _data_spans(path)
                     for name in f.keys():
                         sl = f.get_slice(name)
-                        out[name] = TensorInfo(path, sl.get_dtype(), tuple(sl.get_shape()), starts[name])
+                        out[name] = TensorInfo(path, sl.get_dtype(), tuple(sl.get_shape()), spans[name][0])
+                        if spans[name][1] - spans[name][0] != out[name].nbytes:  # e.g. a name given twice
+                            raise QliteError(f"{path}: tensor {name}: its header entries disagree")
             except SafetensorError as e:
                 raise QliteError(f"{path}: unreadable safetensors file ({e})") from None
         return out
@@ -160,10 +163,6 @@ class CheckpointDir:
             self._mappings[path] = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
         return self._mappings[path]
 
-    @functools.cached_property
-    def _mappings(self) -> dict[Path, torch.UntypedStorage]:
-        return {}
-
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise QliteError(f"{self.path}: missing tensor {name}")
@@ -193,13 +192,14 @@ class CheckpointDir:
         return files
 
 
-def _data_starts(path: Path) -> dict[str, int]:
-    """Each tensor's first byte in a safetensors file: 8 bytes of header length, the JSON header,
-    then the data, each tensor at its header's data_offsets."""
+def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's bytes [start, end) in a safetensors file (whose header safetensors has checked):
+    8 bytes of header length, the JSON header, then the data at each tensor's data_offsets."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
-    return {name: 8 + n + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+    return {name: (8 + n + entry["data_offsets"][0], 8 + n + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
 
 
 def _finite(t: torch.Tensor, info: TensorInfo, name: str) -> torch.Tensor:
