@@ -116,7 +116,8 @@ class Summary:
 
 
 def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
-    """The checkpoint names and shapes a 16-bit checkpoint of this config holds (the loader's layout)."""
+    """The checkpoint names and shapes, in the loader's order, that a checkpoint of this config holds
+    (16-bit when cfg has no quantization)."""
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
     return checkpoint_shapes(checkpoint_layout(model))
@@ -169,9 +170,7 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = Fal
 def loading_order(specs: list[TensorSpec], cfg) -> list[TensorSpec]:
     """`specs` in the order the loader takes them for a model of `cfg`: the parts of a fused
     projection (q, k, v; gate, up) back to back, so that each fused tensor is one view of the file."""
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
-    order = {name: i for i, name in enumerate(checkpoint_shapes(checkpoint_layout(model)))}
+    order = {name: i for i, name in enumerate(expected_tensors(cfg))}
     return sorted(specs, key=lambda s: order.get(s.name, len(order)))
 
 
