@@ -496,7 +496,13 @@ def _run(args: list, sigints: list) -> int:
 
 
 def entry_point():
-    sys.exit(main())
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a Ctrl-C while exiting changes nothing
+    # CPython 3.11 marks the process as killed by Ctrl-C whenever a KeyboardInterrupt leaves an exec() of
+    # a string (dataclasses and others exec while modules load), even one handled later; `python -m`
+    # then ends by SIGINT instead of with this code. An exec of a string that finishes clears the mark.
+    exec("pass")
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ random byte flips in tests/test_fuzz.py.)"""
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import signal
@@ -238,3 +239,21 @@ def test_ctrl_c_during_start_up_is_one_line(pristine, after):
     assert proc.returncode in (0, 130), err  # 0: it had already finished
     assert proc.returncode == 0 or err == "error: interrupted\n", err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("code", [0, 130])
+def test_ctrl_c_handled_inside_an_exec_keeps_the_exit_code(tmp_path, code):
+    """CPython 3.11 ends a `python -m` process by SIGINT after any KeyboardInterrupt that left an exec() of
+    a string, even a handled one (what made the test above fail now and then): qlite exits with its code."""
+    (tmp_path / "probe.py").write_text(
+        "import qlite.cli as cli\n"
+        "def main():\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    except KeyboardInterrupt:\n"
+        f"        return {code}\n"
+        "cli.main = main\n"
+        "cli.entry_point()\n")
+    proc = subprocess.run([sys.executable, "-m", "probe"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == code, proc.stderr
