@@ -120,6 +120,8 @@ def run_llama_cpp(spec: dict) -> dict:
 
 RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
 
+# qlite's AVX2 kernels, and torch's own kernels (aten's vectorized ops, oneDNN's matmuls) limited to AVX2
+AVX2_TORCH_ENV = {"QLITE_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 LLAMA_FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 
 
@@ -230,6 +232,10 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
 @click.option("--fp32", is_flag=True, help="also run qlite on the first dir in float32")
 @click.option("--torch-kernels", is_flag=True, help="also run each dir with QLITE_NATIVE=0 (torch's own kernels)")
+@click.option("--avx2", "avx2_lib", type=click.Path(path_type=Path, file_okay=False),
+              help="also run every qlite and llama.cpp model as on an AVX2 CPU: qlite with its AVX2 kernels and "
+                   "torch limited to AVX2, llama.cpp with the libraries in this dir (llama-cpp-python built with "
+                   "-DGGML_NATIVE=OFF -DGGML_AVX512=OFF)")
 @click.option("--gguf", multiple=True, type=click.Path(path_type=Path), help="also run llama.cpp on this GGUF")
 @click.option("--llama-cpp-from", type=click.Path(path_type=Path),
               help="make f16, Q8_0 and Q4_0 GGUFs from this GGUF (cached beside it) and run llama.cpp on each")
@@ -242,7 +248,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads,
+def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads,
          md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
@@ -262,6 +268,10 @@ def main(model_dirs, hf, fp32, torch_kernels, gguf, llama_cpp_from, prompt_token
     if llama_cpp_from:
         gguf = (*gguf, *llama_cpp_variants(llama_cpp_from, llama_cpp_from.parent / "llama-cpp"))
     jobs += [(g.name, {"engine": "llama.cpp", "path": str(g), **common}) for g in gguf]
+    if avx2_lib:
+        avx2_env = {"qlite": AVX2_TORCH_ENV, "llama.cpp": {"LLAMA_CPP_LIB_PATH": str(avx2_lib.resolve())}}
+        jobs += [(f"{label} avx2", {**spec, "env": {**spec.get("env", {}), **avx2_env[spec["engine"]]}})
+                 for label, spec in list(jobs) if spec["engine"] in avx2_env and "QLITE_NATIVE" not in spec.get("env", {})]
     rows = []
     for label, spec in jobs:
         click.echo(f"bench {label} ({spec['engine']})", err=True)

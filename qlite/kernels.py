@@ -6,13 +6,15 @@ needs and is called with the activations. backends.py says which kernels a backe
 - aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (they are 10-70x slower fed
   float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
   (a copy of the weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
-- native (CPU with AVX-512 BF16): qlite's own kernels (native.py) on the canonical buffers as stored:
-  a matrix-vector product for decoding (up to MAX_ROWS rows per sequence, any number of sequences),
-  and for more rows (prefill) the weight dequantized to bf16 and bf16 matmuls (bucketed_linear). No
-  copy, so memory holds the checkpoint's bytes.
-- vnni (CPU with AVX-512 VNNI too): the same, but the decoding product quantizes the activations
+- native (CPU with AVX-512 BF16, or AVX2 + FMA): qlite's own kernels (native.py) on the canonical
+  buffers as stored: a matrix-vector product for decoding (up to MAX_ROWS rows per sequence, any number
+  of sequences), and for more rows (prefill) the weight dequantized to bf16 and bf16 matmuls
+  (bucketed_linear; float32 ones on AVX2, which has no bf16 arithmetic). No copy, so memory holds the
+  checkpoint's bytes.
+- vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the decoding product quantizes the activations
   (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
-  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence).
+  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence): vpdpbusd / vpdpwssd, or on AVX2
+  vpmaddubsw / vpmaddwd, the same integer products.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -138,8 +140,8 @@ def sequence_rows(x: torch.Tensor) -> int:
 
 class _Native:
     """Up to max_rows rows per sequence: the kernel's matrix-vector product (over all B x T rows);
-    more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one bf16
-    matmul."""
+    more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one matmul
+    in native.matmul_dtype() (bf16; float32 with the AVX2 kernels)."""
     max_rows = native.MAX_ROWS
 
     def __init__(self, layer):
@@ -151,7 +153,8 @@ class _Native:
         if sequence_rows(x) <= self.max_rows:
             return self.gemv(x, *self.stored, self.bias32).to(x.dtype)
         weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
-        return _bias(bucketed_linear(x.to(torch.bfloat16), weight).to(x.dtype), self.bias)
+        dtype = native.matmul_dtype()
+        return _bias(bucketed_linear(x.to(dtype), weight.to(dtype)).to(x.dtype), self.bias)
 
 
 class NativeInt8(_Native):
@@ -223,7 +226,9 @@ class NativeBf16:
     def __call__(self, x):
         if sequence_rows(x) <= native.MAX_ROWS:
             return native.gemv_bf16(x, self.weight, self.bias32).to(x.dtype)
-        return bucketed_linear(x, self.weight, self.bias)
+        dtype = native.matmul_dtype()
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return bucketed_linear(x.to(dtype), self.weight.to(dtype), bias).to(x.dtype)
 
 
 class BnbNF4:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from . import native
 from .backends import backend_named, use_backend
 from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
 from .errors import QliteError
@@ -31,13 +32,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """auto: bf16 on a CPU with native bf16 (else float32); bf16 or fp16 on CUDA."""
+    """auto: bf16 on a CPU with native bf16 or qlite's native kernels (which take bf16 activations: on an
+    AVX2 CPU they decode 1.1-1.2x faster than with float32 ones), else float32; bf16 or fp16 on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_bf16() or native.library() is not None else torch.float32
     if dtype not in FLOAT_DTYPES:
         raise QliteError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
     return FLOAT_DTYPES[dtype]

@@ -1,9 +1,12 @@
-"""qlite's own CPU kernels (csrc/kernels.c): matrix-vector products for decoding that read bf16, int8
-and int4 weights in their canonical layouts, dequantization to bf16 for prefill, and the small ops of
-a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention). Compiled on first
-use with the system C compiler (-march=native, so only for the CPU it runs on) into qlite's cache,
-and loaded with ctypes; OpenMP comes from torch's own libgomp, already loaded. When there is no
-compiler, no AVX-512 BF16, or QLITE_NATIVE=0, `library()` is None and the aten kernels run instead."""
+"""qlite's own CPU kernels: matrix-vector products for decoding that read bf16, int8 and int4 weights in
+their canonical layouts, dequantization to bf16 for prefill, and the small ops of a decode step (RMSNorm,
+SiLU * up, rotary + KV-cache write + attention, argmax). One source per instruction set (ISAS):
+csrc/kernels.c for CPUs with AVX-512 BF16 (its integer-activation products need AVX-512 VNNI too),
+csrc/kernels_avx2.c for AVX2 + FMA CPUs (the same functions and numerics, 8 floats a vector). The best
+one the CPU runs is compiled on first use with the system C compiler into qlite's cache and loaded with
+ctypes; OpenMP comes from torch's own libgomp, already loaded. QLITE_NATIVE_ISA=avx2 forces the AVX2
+kernels (to measure them on a newer CPU). QLITE_NATIVE=0, no compiler, or a CPU with neither:
+`library()` is None and the aten kernels run instead."""
 from __future__ import annotations
 
 import ctypes
@@ -17,14 +20,19 @@ from pathlib import Path
 
 import torch
 
+from .errors import QliteError
 from .system import cache_dir, cpu_flags
 
-SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+CSRC = Path(__file__).parent / "csrc"
+ISAS = {  # name: (the CPU flags it needs, its source, its compiler flags), best first
+    "avx512": ({"avx512_bf16", "avx512bw", "avx512vl", "f16c"}, "kernels.c", ["-march=native"]),
+    "avx2": ({"avx2", "fma", "f16c"}, "kernels_avx2.c", ["-march=x86-64-v3", "-mtune=native"]),
+}
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
-MAX_GROUPS = 1024  # kernels.c's MAX_GROUPS
+MAX_GROUPS = 1024  # common.h's MAX_GROUPS
 VNNI_MAX_ROWS = 16  # the integer-activation kernels beat dequantize + bf16 matmul up to about this many
-CHUNK = 128  # kernels.c's CHUNK: the integer-activation kernels take x and the groups in whole chunks
+CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
@@ -41,38 +49,63 @@ SIGNATURES = {
 }
 
 
-def build(compiler: str, out_dir: Path) -> Path:
-    """Compile kernels.c into out_dir (atomically: a half-written library is never left there)."""
+def build(compiler: str, source: Path, flags: list[str], out_dir: Path) -> Path:
+    """Compile source into out_dir (atomically: a half-written library is never left there)."""
     lib = out_dir / "libqlite_native.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_lib)], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *flags, str(source), "-o", str(tmp_lib)], check=True, capture_output=True,
                        timeout=300)
         os.replace(tmp_lib, lib)
     return lib
 
 
+def isa() -> str | None:
+    """The instruction set whose kernels run here: QLITE_NATIVE_ISA (an error if the CPU lacks it), else
+    the best the CPU has; None with QLITE_NATIVE=0 or neither."""
+    if os.environ.get("QLITE_NATIVE", "1") == "0":
+        return None
+    wanted = os.environ.get("QLITE_NATIVE_ISA", "")
+    if not wanted:
+        return next((name for name, (needs, _, _) in ISAS.items() if needs <= cpu_flags()), None)
+    if wanted not in ISAS:
+        raise QliteError(f"QLITE_NATIVE_ISA={wanted}: not one of {', '.join(ISAS)}")
+    missing = ISAS[wanted][0] - cpu_flags()
+    if missing:
+        raise QliteError(f"QLITE_NATIVE_ISA={wanted}: this CPU lacks {', '.join(sorted(missing))}")
+    return wanted
+
+
+def matmul_dtype() -> torch.dtype:
+    """The dtype of prefill's matmuls on dequantized weights: bf16 beside the AVX-512 kernels (a CPU with
+    bf16 arithmetic), float32 beside the AVX2 ones (there torch's bf16 matmul is 3.6x slower than its
+    float32 one: 56 against 202 GFLOP/s, 512 x 896 x 4864, torch limited to AVX2 on this machine)."""
+    return torch.float32 if isa() == "avx2" else torch.bfloat16
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("QLITE_NATIVE", "1") == "0" or "avx512_bf16" not in cpu_flags():
-        return None
+    """The kernels for isa(), built on first use; None where they cannot be (the aten kernels run)."""
+    name = isa()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    if name is None or compiler is None:
         return None
+    _, source, flags = ISAS[name]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, *sorted(cpu_flags()), torch.__version__]).encode())
+    sources = [(CSRC / source).read_text(), (CSRC / "common.h").read_text()]
+    key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__]).encode())
     try:
-        lib = ctypes.CDLL(str(build(compiler, cache_dir() / "native" / key.hexdigest()[:16])))
+        lib = ctypes.CDLL(str(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16])))
     except (OSError, subprocess.SubprocessError):
         return None
     if lib.qlite_gemv_abi() != 1:
         return None
-    for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # qlite_gemv_vnni exists only where the CPU has AVX-512 VNNI
-            getattr(lib, name).argtypes = argtypes
+    for fn, argtypes in SIGNATURES.items():
+        if hasattr(lib, fn):  # qlite_gemv_vnni exists only where the CPU has AVX-512 VNNI or AVX2
+            getattr(lib, fn).argtypes = argtypes
     return lib
 
 
@@ -168,7 +201,7 @@ def _check_int4(qweight, scales, zeros, weights_per_step: int = 64) -> None:
 
 
 def vnni_ready() -> bool:
-    """Whether the integer-activation kernels (AVX-512 VNNI) were built for this CPU."""
+    """Whether the integer-activation kernels (AVX-512 VNNI, or AVX2's vpmaddubsw) were built for this CPU."""
     return library() is not None and library().qlite_vnni_abi() == 1
 
 

@@ -15,31 +15,12 @@
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
  * and rotary + KV-cache write + attention for one token.
  * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
-#include <stdint.h>
-#include <stdlib.h>
-#include <math.h>
-#include <string.h>
+#include "common.h"
 
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__))
 int qlite_gemv_abi(void) { return 0; }
 #else
 #include <immintrin.h>
-
-#define ROWS 4
-#define AHEAD 8  /* prefetch the weights this many rows ahead */
-#define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
-
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-static inline void store(void *y, int out_bf16, long i, float v) {
-    if (out_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v); else ((float *)y)[i] = v;
-}
 
 int qlite_gemv_abi(void) { return 1; }
 
@@ -200,7 +181,6 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
  * int4's 64 bytes hold 128 weights, even k in the low nibbles, so its activation chunk is stored
  * [64 even | 64 odd]; int8's in k order. Weights are unpacked once per chunk for XTILE activation rows. */
 #if defined(__AVX512VNNI__)
-#define CHUNK 128
 #define XTILE 4  /* activation rows per pass over a block of ROWS weight rows */
 
 int qlite_vnni_abi(void) { return 1; }

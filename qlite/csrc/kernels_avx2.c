@@ -1,0 +1,491 @@
+/* qlite's CPU kernels for x86 with AVX2, FMA and F16C but no AVX-512 BF16 (loaded by native.py on such
+ * CPUs, or anywhere with QLITE_NATIVE_ISA=avx2). kernels.c's functions, arguments and layouts, 8 floats
+ * a vector:
+ *   bf16, int8 and int4 weights with bf16 activations: each product exact in fp32, fp32 sums;
+ *   int4 / int8 weights with integer activations (qlite_gemv_vnni): the activations quantized exactly as
+ *     kernels.c quantizes them (the same integers and scales), then vpmaddubsw + vpmaddwd (u8 x s8, int4)
+ *     or vpmaddwd (s16 x s16, int8) in place of VNNI's vpdpbusd / vpdpwssd: the same integer dot
+ *     products, so the results differ from kernels.c's only in the order of the fp32 sums;
+ *   dequantization to bf16 (rounded to nearest even) for prefill;
+ *   the small ops of a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention, argmax).
+ * Built by native.py: cc -O3 -march=x86-64-v3 -fopenmp -shared; without AVX2, abi() says 0. */
+#include "common.h"
+
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+int qlite_gemv_abi(void) { return 0; }
+#else
+#include <immintrin.h>
+
+int qlite_gemv_abi(void) { return 1; }
+int qlite_vnni_abi(void) { return 1; }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load_bf16(const uint16_t *p) {  /* 8 bf16 -> fp32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m256 v) {  /* 8 fp32 -> bf16, round to nearest even; NaN stays NaN */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+static inline __m256 load_int8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* ---- bf16 weights ------------------------------------------------------------------------- */
+static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, const uint16_t *w, long K, int nrows, float *out) {
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        __m256 x0 = load_bf16(x + k), x1 = load_bf16(x + k + 8);
+        for (int r = 0; r < nrows; r++) {
+            const uint16_t *wr = w + r * K + k;
+            _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
+            acc[r][0] = _mm256_fmadd_ps(load_bf16(wr), x0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(load_bf16(wr + 8), x1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nrows; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
+                     void *y, int out_bf16, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) bf16_rows(x + m * K, w + n * K, K, ROWS, out); else bf16_rows(x + m * K, w + n * K, K, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+}
+
+/* ---- int8 weights, bf16 activations --------------------------------------------------------- */
+static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
+    long gsize = K / G;
+    __m256 total[ROWS];
+    for (int r = 0; r < ROWS; r++) total[r] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        __m256 acc[ROWS][2];
+        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (long k = g * gsize; k < (g + 1) * gsize; k += 16) {
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            for (int r = 0; r < nrows; r++) {
+                const int8_t *wr = w + r * K + k;
+                _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
+                acc[r][0] = _mm256_fmadd_ps(load_int8(wr), x0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(load_int8(wr + 8), x1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < nrows; r++)
+            total[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(scales[r * G + g])), _mm256_add_ps(acc[r][0], acc[r][1]), total[r]);
+    }
+    for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]);
+}
+
+void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t *scales, long G, long N, long K,
+                     const float *bias, void *y, int out_bf16, int threads) {
+    float *xf = malloc(sizeof(float) * M * K);  /* activations in fp32, read by every row */
+    for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, ROWS, out); else int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xf);
+}
+
+/* ---- int4 weights, bf16 activations --------------------------------------------------------- */
+/* xe/xo: the even and odd activations of one row (fp32, K/2 each); xsum: each group's sum of x.
+ * A group's product is sum q x - z sum x (q, z: the codes and zero point), times its scale. */
+static inline __attribute__((always_inline)) void int4_rows(
+        const float *xe, const float *xo, const float *xsum, const uint8_t *w, const uint16_t *scales,
+        const uint8_t *zeros, long K, long G, int nrows, float *out) {
+    long gbytes = K / G / 2;
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    __m256 total[ROWS];
+    float corr[ROWS];  /* sum_g s z xsum */
+    for (int r = 0; r < nrows; r++) {
+        total[r] = _mm256_setzero_ps();
+        corr[r] = 0.f;
+        for (long g = 0; g < G; g++) corr[r] += _cvtsh_ss(scales[r * G + g]) * (float)zeros[r * G + g] * xsum[g];
+    }
+    for (long g = 0; g < G; g++) {
+        __m256 acc[ROWS];
+        for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
+        for (long b = g * gbytes; b < (g + 1) * gbytes; b += 8) {  /* 8 bytes = 16 weights */
+            __m256 xev = _mm256_loadu_ps(xe + b), xov = _mm256_loadu_ps(xo + b);
+            for (int r = 0; r < nrows; r++) {
+                const uint8_t *wr = w + r * K / 2 + b;
+                _mm_prefetch((const char *)(wr + AHEAD * K / 2), _MM_HINT_T0);
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)wr));
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+                acc[r] = _mm256_fmadd_ps(hi, xov, _mm256_fmadd_ps(lo, xev, acc[r]));
+            }
+        }
+        for (int r = 0; r < nrows; r++) total[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(scales[r * G + g])), acc[r], total[r]);
+    }
+    for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]) - corr[r];
+}
+
+void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t *scales, const uint8_t *zeros,
+                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    long half = K / 2, gsize = K / G;
+    float *xe = malloc(sizeof(float) * M * K);  /* (M, 2, K/2): even then odd activations */
+    float *xsum = malloc(sizeof(float) * M * G);
+    for (long m = 0; m < M; m++) {
+        for (long i = 0; i < half; i++) {
+            xe[m * K + i] = bf16_to_f32(x[m * K + 2 * i]);
+            xe[m * K + half + i] = bf16_to_f32(x[m * K + 2 * i + 1]);
+        }
+        for (long g = 0; g < G; g++) {
+            float s = 0.f;
+            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
+            xsum[m * G + g] = s;
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            const float *xm = xe + m * K, *sm = xsum + m * G;
+            if (nrows == ROWS) int4_rows(xm, xm + half, sm, w + n * half, scales + n * G, zeros + n * G, K, G, ROWS, out);
+            else int4_rows(xm, xm + half, sm, w + n * half, scales + n * G, zeros + n * G, K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xe);
+    free(xsum);
+}
+
+/* ---- integer activations x int4 / int8 weights -------------------------------------------------
+ * kernels.c's scheme and layouts (see there): per chunk of 128 inputs, 16 blocks of 8 inputs, each with its
+ * own activation scale xs. Here a 256-bit vector holds 8 of those 16 int32 lanes:
+ *   int4: chunk bytes 0..31 of the weights (even k from the low nibbles, odd k from the high) meet xq bytes
+ *     0..31 (even) and 64..95 (odd): lanes 0..7 (inputs 0..63); bytes 32..63: lanes 8..15 (inputs 64..127);
+ *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15. */
+
+/* int4's activations: x bf16 [M, K] -> xq int8 [M, K] ([64 even | 64 odd] per chunk), xs fp32 [M, K / CHUNK, 16]
+ * (block l: inputs 8 l .. 8 l + 7 of the chunk), xsum fp32 [M, G] (each group's sum of xq xs) */
+static void quantize_activations_int8(const uint16_t *x, long M, long K, long G, int8_t *xq, float *xs, float *xsum) {
+    long C = K / CHUNK, gsize = K / G;
+    for (long i = 0; i < M * G; i++) xsum[i] = 0.f;
+    for (long m = 0; m < M; m++)
+        for (long c = 0; c < C; c++)
+            for (int l = 0; l < 16; l++) {
+                const uint16_t *src = x + m * K + c * CHUNK + 8 * l;
+                float amax = 0.f, sum = 0.f;
+                for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(src[i])));
+                float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax * (1.f / 127.f);
+                for (int i = 0; i < 8; i++) {
+                    float q = fminf(fmaxf(nearbyintf(bf16_to_f32(src[i]) * inv), -127.f), 127.f);
+                    xq[m * K + c * CHUNK + (i % 2 ? 64 : 0) + 4 * l + i / 2] = (int8_t)q;
+                    sum += q;
+                }
+                xs[(m * C + c) * 16 + l] = d;
+                xsum[m * G + (c * CHUNK + 8 * l) / gsize] += sum * d;
+            }
+}
+
+/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs as above; block l: inputs
+ * 32 t + 16 (l / 8) + 2 (l % 8) + {0, 1} for t < 4 */
+static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_t *xq, float *xs) {
+    long C = K / CHUNK;
+    for (long m = 0; m < M; m++)
+        for (long c = 0; c < C; c++)
+            for (int l = 0; l < 16; l++) {
+                long at[8];
+                float amax = 0.f;
+                for (int i = 0; i < 8; i++) {
+                    at[i] = m * K + c * CHUNK + 32 * (i / 2) + 16 * (l / 8) + 2 * (l % 8) + i % 2;
+                    amax = fmaxf(amax, fabsf(bf16_to_f32(x[at[i]])));
+                }
+                float inv = amax > 0.f ? 32767.f / amax : 0.f;
+                for (int i = 0; i < 8; i++)
+                    xq[at[i]] = (int16_t)fminf(fmaxf(nearbyintf(bf16_to_f32(x[at[i]]) * inv), -32767.f), 32767.f);
+                xs[(m * C + c) * 16 + l] = amax * (1.f / 32767.f);
+            }
+}
+
+/* one block of nrows weight rows against one activation row (xq, xs, xsum of that row); out[r].
+ * small: groups of 32 or 64 (in_chunk of them per chunk), else whole chunks (per_group per group). */
+static inline __attribute__((always_inline)) void int_rows(
+        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const float (*sw)[MAX_GROUPS],
+        const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, float *out) {
+    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 total[ROWS];
+    for (int r = 0; r < ROWS; r++) total[r] = _mm256_setzero_ps();
+    for (long g = 0, c = 0; g < G; g += in_chunk)
+    for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
+        __m256 d0 = _mm256_loadu_ps(xs + c * 16), d1 = _mm256_loadu_ps(xs + c * 16 + 8);
+        if (int4) {
+            const int8_t *xc = (const int8_t *)xq + c * CHUNK;
+            __m256i xe0 = _mm256_loadu_si256((const __m256i *)xc), xe1 = _mm256_loadu_si256((const __m256i *)(xc + 32));
+            __m256i xo0 = _mm256_loadu_si256((const __m256i *)(xc + 64)), xo1 = _mm256_loadu_si256((const __m256i *)(xc + 96));
+            for (int r = 0; r < nrows; r++) {
+                const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * CHUNK / 2;
+                _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
+                __m256i b0 = _mm256_loadu_si256((const __m256i *)wr), b1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
+                /* u8 codes x s8 activations, pairs summed to s16 (at most 2 * 2 * 15 * 127: no saturation), then 4 to s32 */
+                __m256i p0 = _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(b0, low), xe0),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b0, 4), low), xo0)), ones);
+                __m256i p1 = _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(b1, low), xe1),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b1, 4), low), xo1)), ones);
+                __m256 s0, s1;  /* the weight scale of each lane */
+                if (small && in_chunk == 4) {  /* groups of 32: 4 lanes each */
+                    s0 = _mm256_setr_m128(_mm_set1_ps(sw[r][g]), _mm_set1_ps(sw[r][g + 1]));
+                    s1 = _mm256_setr_m128(_mm_set1_ps(sw[r][g + 2]), _mm_set1_ps(sw[r][g + 3]));
+                } else if (small) {  /* groups of 64: 8 lanes, one vector each */
+                    s0 = _mm256_set1_ps(sw[r][g]), s1 = _mm256_set1_ps(sw[r][g + 1]);
+                } else s0 = s1 = _mm256_set1_ps(sw[r][g]);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, s0), total[r]);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, s1), total[r]);
+            }
+        } else {
+            const int16_t *xc = (const int16_t *)xq + c * CHUNK;
+            for (int r = 0; r < nrows; r++) {
+                const int8_t *wr = (const int8_t *)w + r * wbytes + c * CHUNK;
+                _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wr + AHEAD * wbytes + 64), _MM_HINT_T0);
+                __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
+                    __m256i q0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t))),
+                                                   _mm256_loadu_si256((const __m256i *)(xc + 32 * t)));
+                    __m256i q1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16))),
+                                                   _mm256_loadu_si256((const __m256i *)(xc + 32 * t + 16)));
+                    if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
+                        __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
+                        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(d0, s), total[r]);
+                        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(d1, s), total[r]);
+                    } else p0 = _mm256_add_epi32(p0, q0), p1 = _mm256_add_epi32(p1, q1);
+                }
+                if (small) continue;
+                __m256 s = _mm256_set1_ps(sw[r][g]);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, s), total[r]);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, s), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) {
+        float corr = 0.f;  /* the zero points' term (int4): sum_g sw z xsum */
+        for (long g = 0; int4 && g < G; g++) corr += sz[r][g] * xsum[g];
+        out[r] = hsum(total[r]) - corr;
+    }
+}
+
+/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] */
+void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *scales, const uint8_t *zeros, int int4,
+                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
+    int small = G > C;  /* groups of 32 or 64 (native.py checks) */
+    void *xq = malloc(xbytes * M * K);
+    float *xs = malloc(sizeof(float) * M * C * 16), *xsum = malloc(sizeof(float) * M * G);
+    if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else quantize_activations_int16(x, M, K, xq, xs);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        const void *wn = (const uint8_t *)w + n * wbytes;
+        float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
+        for (int r = 0; r < nrows; r++)
+            for (long g = 0; g < G; g++) {
+                sw[r][g] = _cvtsh_ss(scales[(n + r) * G + g]);
+                sz[r][g] = int4 ? sw[r][g] * (float)zeros[(n + r) * G + g] : 0.f;
+            }
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            const void *xm = (const uint8_t *)xq + m * K * xbytes;
+            const float *xsm = xs + m * C * 16, *xsumm = xsum + m * G;
+            /* constant arguments for full blocks: the compiler specialises each */
+            if (nrows < ROWS) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, out);
+            else if (int4 && small) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 1, ROWS, out);
+            else if (int4) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 0, ROWS, out);
+            else if (small) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 1, ROWS, out);
+            else int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 0, ROWS, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+}
+
+/* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
+void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, uint16_t *out,
+                           int threads) {
+    long gsize = K / G;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k += 8)
+            store_bf16(out + n * K + k, _mm256_mul_ps(load_int8(w + n * K + k), _mm256_set1_ps(_cvtsh_ss(scales[n * G + k / gsize]))));
+}
+
+void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, long G, long N, long K,
+                           uint16_t *out, int threads) {
+    long gsize = K / G;
+    const __m128i low = _mm_set1_epi8(0x0f);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
+            long g = n * G + k / gsize;
+            __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[g])), z = _mm256_set1_ps((float)zeros[g]);
+            __m128i b = _mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2));
+            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  /* k order */
+            for (int i = 0; i < 4; i++) {
+                __m128i eight = i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2];
+                __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+                store_bf16(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
+            }
+        }
+}
+/* ---- the small ops of a decode step (kernels.c's, 8 floats a vector) ---------------------------- */
+static inline __m256 exp256(__m256 x) {  /* e^x, relative error ~1e-7; 0 below -87, finite (not inf) above 88 */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);  /* r = x - n ln2, in two parts */
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  /* n in -126..127 */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+static inline __m256 round_bf16(__m256 v) {  /* v rounded to bf16 (nearest even), as fp32; v finite */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000)));
+}
+
+/* rows of x (bf16, n wide, n % 16 == 0) -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w), as torch computes it */
+void qlite_rmsnorm(const uint16_t *x, long rows, long n, const uint16_t *w, float eps, uint16_t *out) {
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        __m256 ss = _mm256_setzero_ps();
+        for (long i = 0; i < n; i += 8) { __m256 v = load_bf16(xr + i); ss = _mm256_fmadd_ps(v, v, ss); }
+        __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(ss) / n + eps));
+        for (long i = 0; i < n; i += 8)
+            store_bf16(out + r * n + i, _mm256_mul_ps(round_bf16(_mm256_mul_ps(load_bf16(xr + i), inv)), load_bf16(w + i)));
+    }
+}
+
+/* rows of [gate | up] (bf16, 2n wide) -> bf16(bf16(silu(gate)) * up), n % 16 == 0 */
+void qlite_silu_mul(const uint16_t *gate_up, long rows, long n, uint16_t *out) {
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < n; i += 8) {
+            __m256 g = load_bf16(gate_up + r * 2 * n + i), u = load_bf16(gate_up + r * 2 * n + n + i);
+            __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            store_bf16(out + r * n + i, _mm256_mul_ps(round_bf16(silu), u));
+        }
+}
+
+static inline void rope(const uint16_t *x, const float *cos, const float *sin, long hd, float scale, float *out) {
+    long half = hd / 2;  /* NeoX layout: x * cos + [-x2, x1] * sin */
+    for (long i = 0; i < half; i++) {
+        float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+        out[i] = (a * cos[i] - b * sin[i]) * scale;
+        out[i + half] = (b * cos[i + half] + a * sin[i + half]) * scale;
+    }
+}
+
+/* kernels.c's qlite_decode_attention (see there): one new token of each of B sequences, rotary, cache write,
+ * attention over the row's positions starts[b]..pos. hd % 32 == 0. */
+void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint16_t *cache_k,
+                            uint16_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
+                            long hd, long capacity, long pos, uint16_t *out, int threads) {
+    long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd;
+    float scale = 1.f / sqrtf((float)hd);
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long b = 0; b < B; b++)
+    for (long h = 0; h < n_kv; h++) {
+        long first = starts ? starts[b] : 0, S = pos + 1 - first;
+        const uint16_t *q = qkv + b * width, *k = q + n_head * hd, *v = k + n_kv * hd;
+        const float *cb = cos + b * hd, *sb = sin + b * hd;
+        uint16_t *K = cache_k + b * row_stride + h * capacity * hd, *V = cache_v + b * row_stride + h * capacity * hd;
+        float *buf = malloc(sizeof(float) * (rep * S + hd));
+        float *kr = buf + rep * S, *scores = buf;
+        rope(k + h * hd, cb, sb, hd, 1.f, kr);
+        for (long i = 0; i < hd; i++) { K[pos * hd + i] = f32_to_bf16(kr[i]); V[pos * hd + i] = v[h * hd + i]; }
+        K += first * hd, V += first * hd;
+        for (long j = 0; j < rep; j++) {
+            long qh = h * rep + j;
+            float qr[hd];
+            rope(q + qh * hd, cb, sb, hd, scale, qr);
+            float *sc = scores + j * S, mx = -INFINITY;
+            for (long s = 0; s < S; s++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (long i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), load_bf16(K + s * hd + i), acc);
+                sc[s] = hsum(acc);
+                mx = sc[s] > mx ? sc[s] : mx;
+            }
+            float sum = 0.f;
+            long s = 0;
+            for (; s + 8 <= S; s += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + s), _mm256_set1_ps(mx)));
+                _mm256_storeu_ps(sc + s, e);
+                sum += hsum(e);
+            }
+            for (; s < S; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+            float inv = 1.f / sum;
+            for (long i = 0; i < hd; i += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (long t = 0; t < S; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load_bf16(V + t * hd + i), acc);
+                store_bf16(out + (b * n_head + qh) * hd + i, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+            }
+        }
+        free(buf);
+    }
+}
+
+/* Per row of bf16 logits (n wide, n % 8 == 0): the index of the largest value (the first of equal
+ * ones, as torch.argmax) and whether every value is finite; one pass, nothing converted. */
+void qlite_argmax_bf16(const uint16_t *x, long rows, long n, int64_t *argmax, uint8_t *finite) {
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        __m256i best_at = _mm256_set1_epi32(-1), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i exponent = _mm256_set1_epi32(0x7f800000), bad = _mm256_setzero_si256();
+        for (long i = 0; i < n; i += 8) {
+            __m256 v = load_bf16(xr + i);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
+            __m256 more = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+            best = _mm256_blendv_ps(best, v, more);
+            best_at = _mm256_blendv_epi8(best_at, at, _mm256_castps_si256(more));
+            at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+        }
+        float lanes[8];
+        int32_t lane_at[8];
+        _mm256_storeu_ps(lanes, best);
+        _mm256_storeu_si256((__m256i *)lane_at, best_at);
+        int first = -1;
+        float top = -INFINITY;
+        for (int l = 0; l < 8; l++)  /* the largest, the first index among equals */
+            if (lane_at[l] >= 0 && (first < 0 || lanes[l] > top || (lanes[l] == top && lane_at[l] < first)))
+                top = lanes[l], first = lane_at[l];
+        argmax[r] = first < 0 ? 0 : first;  /* every value NaN or -inf: not finite anyway */
+        finite[r] = _mm256_testz_si256(bad, bad);
+    }
+}
+#endif
