@@ -122,6 +122,14 @@ RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": ru
 
 # qlite's AVX2 kernels, and torch's own kernels (aten's vectorized ops, oneDNN's matmuls) limited to AVX2
 AVX2_TORCH_ENV = {"QLITE_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+def avx2_variants(jobs: list[tuple[str, dict]], llama_lib: Path) -> list[tuple[str, dict]]:
+    """Each qlite job (on its native kernels) and llama.cpp job again, as on an AVX2 CPU: qlite with
+    AVX2_TORCH_ENV, llama.cpp with the libraries in llama_lib (LLAMA_CPP_LIB_PATH)."""
+    env = {"qlite": AVX2_TORCH_ENV, "llama.cpp": {"LLAMA_CPP_LIB_PATH": str(llama_lib.resolve())}}
+    return [(f"{label} avx2", {**spec, "env": {**spec.get("env", {}), **env[spec["engine"]]}})
+            for label, spec in jobs if spec["engine"] in env and "QLITE_NATIVE" not in spec.get("env", {})]
+
+
 LLAMA_FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 
 
@@ -269,9 +277,7 @@ def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, pr
         gguf = (*gguf, *llama_cpp_variants(llama_cpp_from, llama_cpp_from.parent / "llama-cpp"))
     jobs += [(g.name, {"engine": "llama.cpp", "path": str(g), **common}) for g in gguf]
     if avx2_lib:
-        avx2_env = {"qlite": AVX2_TORCH_ENV, "llama.cpp": {"LLAMA_CPP_LIB_PATH": str(avx2_lib.resolve())}}
-        jobs += [(f"{label} avx2", {**spec, "env": {**spec.get("env", {}), **avx2_env[spec["engine"]]}})
-                 for label, spec in list(jobs) if spec["engine"] in avx2_env and "QLITE_NATIVE" not in spec.get("env", {})]
+        jobs += avx2_variants(jobs, avx2_lib)
     rows = []
     for label, spec in jobs:
         click.echo(f"bench {label} ({spec['engine']})", err=True)

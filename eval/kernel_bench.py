@@ -104,7 +104,7 @@ def main(rows, calls, threads, sampling):
     if sampling:
         return time_sampling(calls)
     if not native.vnni_ready():
-        raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16")
+        raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
     print("|---|---|---|---|---|---|")
     for name, fmt, N, K in SHAPES:

@@ -146,12 +146,13 @@ class _Native:
 
     def __init__(self, layer):
         self.stored = [t.contiguous() for t in layer.stored().values()]
-        self.bias, self.bias32 = layer.bias, native.float_bias(layer.bias)
+        self.bias = layer.bias
+        self.product = self.prepare(*self.stored, native.float_bias(layer.bias))
         self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def __call__(self, x):
         if sequence_rows(x) <= self.max_rows:
-            return self.gemv(x, *self.stored, self.bias32).to(x.dtype)
+            return self.product(x).to(x.dtype)
         weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
         dtype = native.matmul_dtype()
         return _bias(bucketed_linear(x.to(dtype), weight.to(dtype)).to(x.dtype), self.bias)
@@ -159,7 +160,7 @@ class _Native:
 
 class NativeInt8(_Native):
     name = "native-int8"
-    gemv, dequantize = staticmethod(native.gemv_int8), staticmethod(native.dequantize_int8)
+    prepare, dequantize = staticmethod(native.int8_product), staticmethod(native.dequantize_int8)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -170,7 +171,7 @@ class NativeInt8(_Native):
 
 class NativeInt4(_Native):
     name = "native-int4"
-    gemv, dequantize = staticmethod(native.gemv_int4), staticmethod(native.dequantize_int4)
+    prepare, dequantize = staticmethod(native.int4_product), staticmethod(native.dequantize_int4)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -190,8 +191,8 @@ class VnniInt8(NativeInt8):
     max_rows = native.VNNI_MAX_ROWS
 
     @staticmethod
-    def gemv(x, qweight, scales, bias32):
-        return native.gemv_vnni(x, qweight, scales, None, bias32)
+    def prepare(qweight, scales, bias32):
+        return native.vnni_product(qweight, scales, None, bias32)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -203,7 +204,7 @@ class VnniInt4(NativeInt4):
     of 32 too (NativeInt4's own product needs 64)."""
     name = "vnni-int4"
     max_rows = native.VNNI_MAX_ROWS
-    gemv = staticmethod(native.gemv_vnni)
+    prepare = staticmethod(native.vnni_product)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -221,11 +222,12 @@ class NativeBf16:
                 and layer.in_features % 64 == 0 and native.library() is not None)
 
     def __init__(self, layer):
-        self.weight, self.bias, self.bias32 = layer.weight, layer.bias, native.float_bias(layer.bias)
+        self.weight, self.bias = layer.weight, layer.bias
+        self.product = native.bf16_product(layer.weight, native.float_bias(layer.bias))
 
     def __call__(self, x):
         if sequence_rows(x) <= native.MAX_ROWS:
-            return native.gemv_bf16(x, self.weight, self.bias32).to(x.dtype)
+            return self.product(x).to(x.dtype)
         dtype = native.matmul_dtype()
         bias = None if self.bias is None else self.bias.to(dtype)
         return bucketed_linear(x.to(dtype), self.weight.to(dtype), bias).to(x.dtype)

@@ -145,44 +145,60 @@ def _check_groups(N: int, K: int, G: int, weights_per_step: int) -> None:
                 f"{G} groups over {K} inputs (at most {MAX_GROUPS}, each a multiple of {weights_per_step} wide)")
 
 
-def _check_gemv(x: torch.Tensor, K: int, bias32: torch.Tensor | None, N: int) -> None:
-    _check_rule(x.shape[-1] == K, f"x is {x.shape[-1]} wide, the weight {K}")
-    if bias32 is not None:
-        _check(bias32, torch.float32, (N,), "bias")
+class Product:
+    """One layer's matrix-vector product with its weight buffers checked once, so that a call checks
+    only x (a decode step makes ~100 of them; checking every buffer took half of a 10-microsecond call).
+    Holds the buffers, so their pointers stay valid. fn(x, M, *weight_args, bias, y, out_bf16, threads)."""
+
+    def __init__(self, fn: str, N: int, K: int, buffers: tuple, weight_args: tuple, bias32: torch.Tensor | None):
+        if bias32 is not None:
+            _check(bias32, torch.float32, (N,), "bias")
+        self.N, self.K, self.buffers, self.bias32 = N, K, buffers, bias32
+        self.fn, self.args = getattr(library(), fn), (*weight_args, _ptr(bias32))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> x @ weight.T + bias: bf16 when x is bf16, else float32."""
+        _check_rule(x.shape[-1] == self.K, f"x is {x.shape[-1]} wide, the weight {self.K}")
+        xb, M, y, out_bf16 = _gemv_io(x, self.K, self.N)
+        self.fn(xb.data_ptr(), M, *self.args, y.data_ptr(), out_bf16, torch.get_num_threads())
+        return y
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) -> x @ weight.T + bias for a bf16 weight [N, K]; bias32 from float_bias."""
+def bf16_product(weight: torch.Tensor, bias32: torch.Tensor | None) -> Product:
+    """For a bf16 weight [N, K]; bias32 from float_bias."""
     N, K = weight.shape
     _check(weight, torch.bfloat16, (N, K), "weight")
     _check_rule(K % 64 == 0, f"K {K} is not a multiple of 64")
-    _check_gemv(x, K, bias32, N)
-    xb, M, y, out_bf16 = _gemv_io(x, K, N)
-    library().qlite_gemv_bf16(xb.data_ptr(), M, weight.data_ptr(), N, K, _ptr(bias32), y.data_ptr(), out_bf16,
-                              torch.get_num_threads())
-    return y
+    return Product("qlite_gemv_bf16", N, K, (weight,), (weight.data_ptr(), N, K), bias32)
+
+
+def int8_product(qweight, scales, bias32) -> Product:
+    """For int8 codes [N, K] with fp16 scales [N, groups]."""
+    N, K = qweight.shape
+    _check_int8(qweight, scales)
+    return Product("qlite_gemv_int8", N, K, (qweight, scales),
+                   (qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K), bias32)
+
+
+def int4_product(qweight, scales, zeros, bias32) -> Product:
+    """For packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]."""
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    _check_int4(qweight, scales, zeros)
+    return Product("qlite_gemv_int4", N, K, (qweight, scales, zeros),
+                   (qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K), bias32)
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> x @ weight.T + bias for a bf16 weight [N, K] (bf16_product, once)."""
+    return bf16_product(weight, bias32)(x)
 
 
 def gemv_int8(x: torch.Tensor, qweight, scales, bias32) -> torch.Tensor:
-    """The same for int8 codes [N, K] with fp16 scales [N, groups]."""
-    N, K = qweight.shape
-    _check_int8(qweight, scales)
-    _check_gemv(x, K, bias32, N)
-    xb, M, y, out_bf16 = _gemv_io(x, K, N)
-    library().qlite_gemv_int8(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K,
-                              _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
-    return y
+    return int8_product(qweight, scales, bias32)(x)
 
 
 def gemv_int4(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
-    """The same for packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]."""
-    N, K = qweight.shape[0], 2 * qweight.shape[1]
-    _check_int4(qweight, scales, zeros)
-    _check_gemv(x, K, bias32, N)
-    xb, M, y, out_bf16 = _gemv_io(x, K, N)
-    library().qlite_gemv_int4(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                              scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
-    return y
+    return int4_product(qweight, scales, zeros, bias32)(x)
 
 
 def _check_int8(qweight, scales) -> None:
@@ -211,19 +227,20 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
             and in_features // group_size <= MAX_GROUPS)
 
 
-def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
-    """gemv_int8 / gemv_int4 (zeros None for int8) with x quantized first (int16 for int8 weights, int8
-    for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
+def vnni_product(qweight, scales, zeros, bias32) -> Product:
+    """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
+    int8 for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_int4(qweight, scales, zeros, 32) if int4 else _check_int8(qweight, scales)
     _check_rule(vnni_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
-                f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no AVX-512 VNNI)")
-    _check_gemv(x, K, bias32, N)
-    xb, M, y, out_bf16 = _gemv_io(x, K, N)
-    library().qlite_gemv_vnni(xb.data_ptr(), M, qweight.data_ptr(), scales.data_ptr(), _ptr(zeros), int(int4),
-                              scales.shape[1], N, K, _ptr(bias32), y.data_ptr(), out_bf16, torch.get_num_threads())
-    return y
+                f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no integer-activation kernels)")
+    return Product("qlite_gemv_vnni", N, K, (qweight, scales, zeros),
+                   (qweight.data_ptr(), scales.data_ptr(), _ptr(zeros), int(int4), scales.shape[1], N, K), bias32)
+
+
+def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
+    return vnni_product(qweight, scales, zeros, bias32)(x)
 
 
 def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""eval.bench's bandwidth cap: the bytes one decode step reads."""
+"""eval.bench's bandwidth cap (the bytes one decode step reads) and its AVX2 runs."""
+from qlite import native
 from qlite.checkpoint import CheckpointDir
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 
-from eval.bench import decode_bytes
+from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, measure
 
 
 def test_decode_bytes_count_the_table_only_when_it_is_the_head(tmp_path):
@@ -15,3 +16,19 @@ def test_decode_bytes_count_the_table_only_when_it_is_the_head(tmp_path):
         table = sum(t.nbytes for n, t in tensors.items() if n.startswith("model.embed_tokens."))
         everything = sum(t.nbytes for t in tensors.values())
         assert decode_bytes({"engine": "qlite", "path": str(path)}) == everything - (0 if table_read else table)
+
+
+def test_avx2_variants_rerun_qlite_and_llama_cpp_as_on_an_avx2_cpu(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=1)
+    jobs = [("tiny", {"engine": "qlite", "path": str(ckpt), "prompt_tokens": 16, "new_tokens": 4, "repeats": 1,
+                      "threads": 1}),
+            ("tiny torch-kernels", {"engine": "qlite", "path": str(ckpt), "env": {"QLITE_NATIVE": "0"}}),
+            ("q4_0.gguf", {"engine": "llama.cpp", "path": "q4_0.gguf"}),
+            ("tiny bf16", {"engine": "transformers", "path": str(ckpt)})]
+    variants = dict(avx2_variants(jobs, tmp_path / "lib"))
+    assert sorted(variants) == ["q4_0.gguf avx2", "tiny avx2"]  # torch's kernels and transformers: nothing native
+    assert variants["tiny avx2"]["env"] == AVX2_TORCH_ENV
+    assert variants["q4_0.gguf avx2"]["env"] == {"LLAMA_CPP_LIB_PATH": str((tmp_path / "lib").resolve())}
+    if "avx2" in native.ISAS and native.ISAS["avx2"][0] <= native.cpu_flags():
+        result = measure(variants["tiny avx2"])  # a fresh process with those variables runs
+        assert "error" not in result and result["runs"][0]["decode_tps"] > 0, result

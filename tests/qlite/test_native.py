@@ -375,3 +375,15 @@ def test_a_wrong_call_is_an_error_never_an_out_of_bounds_access():
         with pytest.raises(ValueError, match="native kernel"):
             call()
             pytest.fail(what)
+
+
+def test_every_kernel_source_ships_with_the_package():
+    """native.py compiles csrc/ on the user's machine: each file there (sources and the header they
+    include) must be package data, or an installed qlite silently falls back to torch's kernels."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+    root = Path(native.__file__).parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["qlite"]
+    for f in (root / "qlite" / "csrc").iterdir():
+        assert any(fnmatch.fnmatch(f"csrc/{f.name}", p) for p in patterns), f.name
