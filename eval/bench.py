@@ -122,6 +122,8 @@ RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": ru
 
 # qlite's AVX2 kernels, and torch's own kernels (aten's vectorized ops, oneDNN's matmuls) limited to AVX2
 AVX2_TORCH_ENV = {"QLITE_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def avx2_variants(jobs: list[tuple[str, dict]], llama_lib: Path) -> list[tuple[str, dict]]:
     """Each qlite job (on its native kernels) and llama.cpp job again, as on an AVX2 CPU: qlite with
     AVX2_TORCH_ENV, llama.cpp with the libraries in llama_lib (LLAMA_CPP_LIB_PATH)."""

@@ -95,7 +95,7 @@ def library() -> ctypes.CDLL | None:
         return None
     _, source, flags = ISAS[name]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = [(CSRC / source).read_text(), (CSRC / "common.h").read_text()]
+    sources = [(CSRC / source).read_text(), *(h.read_text() for h in sorted(CSRC.glob("*.h")))]  # and what it includes
     key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__]).encode())
     try:
         lib = ctypes.CDLL(str(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16])))

@@ -41,18 +41,6 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, c
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
-                     void *y, int out_bf16, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        for (long m = 0; m < M; m++) {
-            float out[ROWS];
-            if (nrows == ROWS) bf16_rows(x + m * K, w + n * K, K, ROWS, out); else bf16_rows(x + m * K, w + n * K, K, nrows, out);
-            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-}
 
 /* ---- int8 weights ------------------------------------------------------------------------- */
 static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
@@ -81,21 +69,8 @@ static inline __attribute__((always_inline)) void int8_rows(const float *x, cons
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
 }
 
-void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t *scales, long G, long N, long K,
-                     const float *bias, void *y, int out_bf16, int threads) {
-    float *xf = malloc(sizeof(float) * M * K);  /* activations in fp32, read by every row */
-    for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        for (long m = 0; m < M; m++) {
-            float out[ROWS];
-            if (nrows == ROWS) int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, ROWS, out); else int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, nrows, out);
-            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-    free(xf);
-}
+
+#include "drivers.h"
 
 /* ---- int4 weights ------------------------------------------------------------------------- */
 /* xe/xo: the even and odd activations of one row (bf16, K/2 each); xsum: each group's sum of x */
@@ -448,75 +423,39 @@ void qlite_silu_mul(const uint16_t *gate_up, long rows, long n, uint16_t *out) {
         }
 }
 
-static inline void rope(const uint16_t *x, const float *cos, const float *sin, long hd, float scale, float *out) {
-    long half = hd / 2;  /* NeoX layout: x * cos + [-x2, x1] * sin */
-    for (long i = 0; i < half; i++) {
-        float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
-        out[i] = (a * cos[i] - b * sin[i]) * scale;
-        out[i + half] = (b * cos[i + half] + a * sin[i + half]) * scale;
+/* the helpers of attention.h */
+static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_bf16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+static inline float exp_sum(float *sc, long S, float mx) {
+    __m512 sum = _mm512_setzero_ps();
+    long s = 0;
+    for (; s + 16 <= S; s += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(sc + s, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (s < S) {
+        __mmask16 m = (__mmask16)((1u << (S - s)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), _mm512_set1_ps(mx)));
+        _mm512_mask_storeu_ps(sc + s, m, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+static inline void mix_bf16(const float *p, const uint16_t *V, long S, long hd, float scale, uint16_t *out) {
+    for (long i = 0; i < hd; i += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (long t = 0; t < S; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load_bf16(V + t * hd + i), acc);
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, _mm512_set1_ps(scale))));
     }
 }
 
-/* One new token of each of B sequences: rotate q and k (cos/sin of the row's position, fp32 [B, hd]),
- * store k and v at position pos of the row's caches (bf16 [n_kv, capacity, hd], rows row_stride
- * apart), attend over the row's positions starts[b]..pos (starts NULL: 0..pos); out: bf16
- * [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output. hd % 32 == 0.
- * A row's result depends only on its own keys: the same numbers at any offset, in any batch. */
-void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint16_t *cache_k,
-                            uint16_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
-                            long hd, long capacity, long pos, uint16_t *out, int threads) {
-    long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd;
-    float scale = 1.f / __builtin_sqrtf((float)hd);
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (long b = 0; b < B; b++)
-    for (long h = 0; h < n_kv; h++) {
-        long first = starts ? starts[b] : 0, S = pos + 1 - first;
-        const uint16_t *q = qkv + b * width, *k = q + n_head * hd, *v = k + n_kv * hd;
-        const float *cb = cos + b * hd, *sb = sin + b * hd;
-        uint16_t *K = cache_k + b * row_stride + h * capacity * hd, *V = cache_v + b * row_stride + h * capacity * hd;
-        float *buf = malloc(sizeof(float) * (rep * S + hd));
-        float *kr = buf + rep * S, *scores = buf;
-        rope(k + h * hd, cb, sb, hd, 1.f, kr);
-        for (long i = 0; i < hd; i++) { K[pos * hd + i] = f32_to_bf16(kr[i]); V[pos * hd + i] = v[h * hd + i]; }
-        K += first * hd, V += first * hd;
-        for (long j = 0; j < rep; j++) {
-            long qh = h * rep + j;
-            float qr[hd];
-            rope(q + qh * hd, cb, sb, hd, scale, qr);
-            float *sc = scores + j * S, mx = -INFINITY;
-            for (long s = 0; s < S; s++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (long i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + i), load_bf16(K + s * hd + i), acc);
-                sc[s] = _mm512_reduce_add_ps(acc);
-                mx = sc[s] > mx ? sc[s] : mx;
-            }
-            __m512 sum = _mm512_setzero_ps();
-            long s = 0;
-            for (; s + 16 <= S; s += 16) {
-                __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(mx)));
-                _mm512_storeu_ps(sc + s, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            if (s < S) {
-                __mmask16 m = (__mmask16)((1u << (S - s)) - 1);
-                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), _mm512_set1_ps(mx)));
-                _mm512_mask_storeu_ps(sc + s, m, e);
-                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-            }
-            float inv = 1.f / _mm512_reduce_add_ps(sum);
-            float o[hd];
-            for (long i = 0; i < hd; i += 16) {
-                __m512 acc = _mm512_setzero_ps();
-                for (long t = 0; t < S; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), load_bf16(V + t * hd + i), acc);
-                _mm512_storeu_ps(o + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
-            }
-            for (long i = 0; i < hd; i += 16)
-                _mm256_storeu_si256((__m256i *)(out + (b * n_head + qh) * hd + i),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + i)));
-        }
-        free(buf);
-    }
-}
+#include "attention.h"
 
 /* Per row of bf16 logits (n wide, n % 16 == 0): the index of the largest value (the first of equal
  * ones, as torch.argmax) and whether every value is finite; one pass, nothing converted. */

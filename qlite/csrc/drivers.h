@@ -1,0 +1,34 @@
+/* The bf16 and int8 matrix-vector products' loops over blocks of ROWS weight rows (split over OpenMP
+ * threads), the same in both kernel files (kernels.c, kernels_avx2.c): each defines
+ *   bf16_rows(x, w, K, nrows, out)              x bf16 [K], w bf16 [nrows, K]
+ *   int8_rows(x, w, scales, K, G, nrows, out)   x fp32 [K], w int8 [nrows, K], scales fp16 [nrows, G]
+ * (out[r] = the product with weight row r), then includes this. */
+
+void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
+                     void *y, int out_bf16, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) bf16_rows(x + m * K, w + n * K, K, ROWS, out); else bf16_rows(x + m * K, w + n * K, K, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+}
+
+void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t *scales, long G, long N, long K,
+                     const float *bias, void *y, int out_bf16, int threads) {
+    float *xf = malloc(sizeof(float) * M * K);  /* activations in fp32, read by every row */
+    for (long i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            if (nrows == ROWS) int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, ROWS, out); else int8_rows(xf + m * K, w + n * K, scales + n * G, K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xf);
+}
