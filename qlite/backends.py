@@ -11,7 +11,7 @@ decoder calls. The model math itself (model.py) never asks which backend it runs
 | bnb        | bitsandbytes' nf4 / LLM.int8                            | torch          | torch            |
 | auto       | native, else aten, else bnb, else reference, per layer  | native if it can | native if it can |
 
-A backend that cannot run a layer (`--kernel native` on a CPU without AVX-512 BF16, say) is a
+A backend that cannot run a layer (`--kernel native` on a CPU without AVX2 or a C compiler, say) is a
 one-line error naming the layer. A new kernel is one class in kernels.py plus its place in this table."""
 from __future__ import annotations
 
