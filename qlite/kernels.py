@@ -13,8 +13,8 @@ needs and is called with the activations. backends.py says which kernels a backe
   checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the decoding product quantizes the activations
   (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
-  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence): vpdpbusd / vpdpwssd, or on AVX2
-  vpmaddubsw / vpmaddwd, the same integer products.
+  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence; on AVX2 every row count, prefill
+  included): vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd, the same integer products.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -184,11 +184,18 @@ def _vnni_fits(layer) -> bool:
     return native.vnni_ready() and native.vnni_fits(layer.in_features, layer.in_features // layer.fmt.groups(layer.in_features))
 
 
-class VnniInt8(NativeInt8):
+class _IntegerActivations:
+    """The integer-activation products' row limit, set at load: native.vnni_max_rows()."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.max_rows = native.vnni_max_rows()
+
+
+class VnniInt8(_IntegerActivations, NativeInt8):
     """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
-    products (AVX-512 VNNI); cheaper per row, so more rows pay."""
+    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay."""
     name = "vnni-int8"
-    max_rows = native.VNNI_MAX_ROWS
 
     @staticmethod
     def prepare(qweight, scales, bias32):
@@ -199,11 +206,10 @@ class VnniInt8(NativeInt8):
         return NativeInt8.supports(layer) and _vnni_fits(layer)
 
 
-class VnniInt4(NativeInt4):
+class VnniInt4(_IntegerActivations, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
     of 32 too (NativeInt4's own product needs 64)."""
     name = "vnni-int4"
-    max_rows = native.VNNI_MAX_ROWS
     prepare = staticmethod(native.vnni_product)
 
     @staticmethod

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -219,6 +220,14 @@ def _check_int4(qweight, scales, zeros, weights_per_step: int = 64) -> None:
 def vnni_ready() -> bool:
     """Whether the integer-activation kernels (AVX-512 VNNI, or AVX2's vpmaddubsw) were built for this CPU."""
     return library() is not None and library().qlite_vnni_abi() == 1
+
+
+def vnni_max_rows() -> int:
+    """Rows per sequence up to which the integer-activation products run (more: dequantize, then one
+    matmul): 16 beside AVX-512's bf16 matmuls; every row count beside AVX2's float32 ones, which they
+    beat at any row count (512 rows of the demo's gate_up / down: 1.2-1.6x; its int4 prefill 173 ->
+    ~242 tokens/s; KLD +0.3-0.5%: BENCHMARKS.md "AVX2 kernels")."""
+    return VNNI_MAX_ROWS if isa() != "avx2" else sys.maxsize
 
 
 def vnni_fits(in_features: int, group_size: int) -> bool:

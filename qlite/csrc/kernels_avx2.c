@@ -152,7 +152,9 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
  * own activation scale xs. Here a 256-bit vector holds 8 of those 16 int32 lanes:
  *   int4: chunk bytes 0..31 of the weights (even k from the low nibbles, odd k from the high) meet xq bytes
  *     0..31 (even) and 64..95 (odd): lanes 0..7 (inputs 0..63); bytes 32..63: lanes 8..15 (inputs 64..127);
- *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15. */
+ *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15.
+ * A block's weights are unpacked once per chunk for XT activation rows, so many rows (a prefill) run here
+ * too, faster than a float32 matmul on the dequantized weights (native.vnni_max_rows). */
 
 /* int4's activations: x bf16 [M, K] -> xq int8 [M, K] ([64 even | 64 odd] per chunk), xs fp32 [M, K / CHUNK, 16]
  * (block l: inputs 8 l .. 8 l + 7 of the chunk), xsum fp32 [M, G] (each group's sum of xq xs) */
@@ -196,33 +198,28 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
             }
 }
 
-/* one block of nrows weight rows against one activation row (xq, xs, xsum of that row); out[r].
- * small: groups of 32 or 64 (in_chunk of them per chunk), else whole chunks (per_group per group). */
+#define XT 2  /* activation rows per pass over a block's weights: unpacked once, used XT times */
+
+/* one block of nrows weight rows against mrows (<= XT) activation rows m (xq, xs, xsum of row 0, each next row
+ * xstride / C * 16 / G further); out[r][m]. small: groups of 32 or 64 (in_chunk of them per chunk), else whole
+ * chunks (per_group per group). Each (r, m) sums in the same order as with one row at a time. */
 static inline __attribute__((always_inline)) void int_rows(
-        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const float (*sw)[MAX_GROUPS],
-        const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, float *out) {
+        const void *xq, long xstride, const float *xs, const float *xsum, long K, long G, const void *w,
+        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows,
+        float (*out)[XT]) {
     long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256 total[ROWS];
-    for (int r = 0; r < ROWS; r++) total[r] = _mm256_setzero_ps();
+    __m256 total[ROWS][XT];
+    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XT; m++) total[r][m] = _mm256_setzero_ps();
     for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        __m256 d0 = _mm256_loadu_ps(xs + c * 16), d1 = _mm256_loadu_ps(xs + c * 16 + 8);
         if (int4) {
-            const int8_t *xc = (const int8_t *)xq + c * CHUNK;
-            __m256i xe0 = _mm256_loadu_si256((const __m256i *)xc), xe1 = _mm256_loadu_si256((const __m256i *)(xc + 32));
-            __m256i xo0 = _mm256_loadu_si256((const __m256i *)(xc + 64)), xo1 = _mm256_loadu_si256((const __m256i *)(xc + 96));
             for (int r = 0; r < nrows; r++) {
                 const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * CHUNK / 2;
                 _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
                 __m256i b0 = _mm256_loadu_si256((const __m256i *)wr), b1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
-                /* u8 codes x s8 activations, pairs summed to s16 (at most 2 * 2 * 15 * 127: no saturation), then 4 to s32 */
-                __m256i p0 = _mm256_madd_epi16(_mm256_add_epi16(
-                    _mm256_maddubs_epi16(_mm256_and_si256(b0, low), xe0),
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b0, 4), low), xo0)), ones);
-                __m256i p1 = _mm256_madd_epi16(_mm256_add_epi16(
-                    _mm256_maddubs_epi16(_mm256_and_si256(b1, low), xe1),
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b1, 4), low), xo1)), ones);
+                __m256i lo0 = _mm256_and_si256(b0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
+                __m256i lo1 = _mm256_and_si256(b1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
                 __m256 s0, s1;  /* the weight scale of each lane */
                 if (small && in_chunk == 4) {  /* groups of 32: 4 lanes each */
                     s0 = _mm256_setr_m128(_mm_set1_ps(sw[r][g]), _mm_set1_ps(sw[r][g + 1]));
@@ -230,39 +227,58 @@ static inline __attribute__((always_inline)) void int_rows(
                 } else if (small) {  /* groups of 64: 8 lanes, one vector each */
                     s0 = _mm256_set1_ps(sw[r][g]), s1 = _mm256_set1_ps(sw[r][g + 1]);
                 } else s0 = s1 = _mm256_set1_ps(sw[r][g]);
-                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, s0), total[r]);
-                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, s1), total[r]);
+                for (int m = 0; m < mrows; m++) {
+                    const int8_t *xc = (const int8_t *)xq + m * xstride + c * CHUNK;
+                    const float *d = xs + (m * C + c) * 16;
+                    /* u8 codes x s8 activations, pairs summed to s16 (at most 2 * 2 * 15 * 127: no saturation), then 4 to s32 */
+                    __m256i p0 = _mm256_madd_epi16(_mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo0, _mm256_loadu_si256((const __m256i *)xc)),
+                        _mm256_maddubs_epi16(hi0, _mm256_loadu_si256((const __m256i *)(xc + 64)))), ones);
+                    __m256i p1 = _mm256_madd_epi16(_mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo1, _mm256_loadu_si256((const __m256i *)(xc + 32))),
+                        _mm256_maddubs_epi16(hi1, _mm256_loadu_si256((const __m256i *)(xc + 96)))), ones);
+                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(_mm256_loadu_ps(d), s0), total[r][m]);
+                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s1), total[r][m]);
+                }
             }
         } else {
-            const int16_t *xc = (const int16_t *)xq + c * CHUNK;
             for (int r = 0; r < nrows; r++) {
                 const int8_t *wr = (const int8_t *)w + r * wbytes + c * CHUNK;
                 _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wr + AHEAD * wbytes + 64), _MM_HINT_T0);
-                __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+                __m256i p[XT][2];
+                for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
-                    __m256i q0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t))),
-                                                   _mm256_loadu_si256((const __m256i *)(xc + 32 * t)));
-                    __m256i q1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16))),
-                                                   _mm256_loadu_si256((const __m256i *)(xc + 32 * t + 16)));
-                    if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
-                        __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
-                        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(d0, s), total[r]);
-                        total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(d1, s), total[r]);
-                    } else p0 = _mm256_add_epi32(p0, q0), p1 = _mm256_add_epi32(p1, q1);
+                    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t)));
+                    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16)));
+                    for (int m = 0; m < mrows; m++) {
+                        const int16_t *xc = (const int16_t *)((const uint8_t *)xq + m * xstride) + c * CHUNK + 32 * t;
+                        __m256i q0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xc));
+                        __m256i q1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
+                        if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
+                            const float *d = xs + (m * C + c) * 16;
+                            __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
+                            total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
+                            total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
+                        } else p[m][0] = _mm256_add_epi32(p[m][0], q0), p[m][1] = _mm256_add_epi32(p[m][1], q1);
+                    }
                 }
                 if (small) continue;
                 __m256 s = _mm256_set1_ps(sw[r][g]);
-                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, s), total[r]);
-                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, s), total[r]);
+                for (int m = 0; m < mrows; m++) {
+                    const float *d = xs + (m * C + c) * 16;
+                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][0]), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
+                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][1]), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
+                }
             }
         }
     }
-    for (int r = 0; r < nrows; r++) {
-        float corr = 0.f;  /* the zero points' term (int4): sum_g sw z xsum */
-        for (long g = 0; int4 && g < G; g++) corr += sz[r][g] * xsum[g];
-        out[r] = hsum(total[r]) - corr;
-    }
+    for (int r = 0; r < nrows; r++)
+        for (int m = 0; m < mrows; m++) {
+            float corr = 0.f;  /* the zero points' term (int4): sum_g sw z xsum */
+            for (long g = 0; int4 && g < G; g++) corr += sz[r][g] * xsum[m * G + g];
+            out[r][m] = hsum(total[r][m]) - corr;
+        }
 }
 
 /* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] */
@@ -283,17 +299,24 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
                 sw[r][g] = _cvtsh_ss(scales[(n + r) * G + g]);
                 sz[r][g] = int4 ? sw[r][g] * (float)zeros[(n + r) * G + g] : 0.f;
             }
-        for (long m = 0; m < M; m++) {
-            float out[ROWS];
-            const void *xm = (const uint8_t *)xq + m * K * xbytes;
-            const float *xsm = xs + m * C * 16, *xsumm = xsum + m * G;
+        for (long m0 = 0; m0 < M; m0 += XT) {
+            int mrows = M - m0 < XT ? (int)(M - m0) : XT;
+            float out[ROWS][XT];
+            const void *xm = (const uint8_t *)xq + m0 * K * xbytes;
+            const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
             /* constant arguments for full blocks: the compiler specialises each */
-            if (nrows < ROWS) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, out);
-            else if (int4 && small) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 1, ROWS, out);
-            else if (int4) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 0, ROWS, out);
-            else if (small) int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 1, ROWS, out);
-            else int_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 0, ROWS, out);
-            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+            #define INT_ROWS(MR) do { \
+                if (int4 && small) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 1, 1, ROWS, MR, out); \
+                else if (int4) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 1, 0, ROWS, MR, out); \
+                else if (small) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 0, 1, ROWS, MR, out); \
+                else int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 0, 0, ROWS, MR, out); } while (0)
+            if (nrows == ROWS && mrows == XT) INT_ROWS(XT);
+            else if (nrows == ROWS && mrows == 1) INT_ROWS(1);
+            else int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, mrows, out);
+            #undef INT_ROWS
+            for (int r = 0; r < nrows; r++)
+                for (int m = 0; m < mrows; m++)
+                    store(y, out_bf16, (m0 + m) * N + n + r, out[r][m] + (bias ? bias[n + r] : 0.f));
         }
     }
     free(xq);
