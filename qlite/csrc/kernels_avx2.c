@@ -200,8 +200,8 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
 
 #define XT 2  /* activation rows per pass over a block's weights: unpacked once, used XT times */
 
-/* one block of nrows weight rows against mrows (<= XT) activation rows m (xq, xs, xsum of row 0, each next row
- * xstride / C * 16 / G further); out[r][m]. small: groups of 32 or 64 (in_chunk of them per chunk), else whole
+/* one block of nrows weight rows against mrows (<= XT) activation rows (xq, xs, xsum: row 0's; row m's lie
+ * m xstride bytes, m C 16 and m G floats further); out[r][m]. small: groups of 32 or 64 (in_chunk of them per chunk), else whole
  * chunks (per_group per group). Each (r, m) sums in the same order as with one row at a time. */
 static inline __attribute__((always_inline)) void int_rows(
         const void *xq, long xstride, const float *xs, const float *xsum, long K, long G, const void *w,
