@@ -41,7 +41,6 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, c
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-
 /* ---- int8 weights ------------------------------------------------------------------------- */
 static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
     long gsize = K / G;
@@ -68,7 +67,6 @@ static inline __attribute__((always_inline)) void int8_rows(const float *x, cons
     }
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
 }
-
 
 #include "drivers.h"
 

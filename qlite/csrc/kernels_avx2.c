@@ -56,7 +56,6 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, c
     for (int r = 0; r < nrows; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-
 /* ---- int8 weights, bf16 activations --------------------------------------------------------- */
 static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
     long gsize = K / G;
@@ -79,7 +78,6 @@ static inline __attribute__((always_inline)) void int8_rows(const float *x, cons
     }
     for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]);
 }
-
 
 #include "drivers.h"
 
