@@ -141,7 +141,7 @@ def sequence_rows(x: torch.Tensor) -> int:
 class _Native:
     """Up to max_rows rows per sequence: the kernel's matrix-vector product (over all B x T rows);
     more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one matmul
-    in native.matmul_dtype() (bf16; float32 with the AVX2 kernels)."""
+    in native.matmul_dtype() (bf16; float32 with the AVX2 kernels), read at load."""
     max_rows = native.MAX_ROWS
 
     def __init__(self, layer):
@@ -149,13 +149,13 @@ class _Native:
         self.bias = layer.bias
         self.product = self.prepare(*self.stored, native.float_bias(layer.bias))
         self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.matmul_dtype = native.matmul_dtype()
 
     def __call__(self, x):
         if sequence_rows(x) <= self.max_rows:
             return self.product(x).to(x.dtype)
         weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
-        dtype = native.matmul_dtype()
-        return _bias(bucketed_linear(x.to(dtype), weight.to(dtype)).to(x.dtype), self.bias)
+        return _bias(bucketed_linear(x.to(self.matmul_dtype), weight.to(self.matmul_dtype)).to(x.dtype), self.bias)
 
 
 class NativeInt8(_Native):
@@ -230,11 +230,12 @@ class NativeBf16:
     def __init__(self, layer):
         self.weight, self.bias = layer.weight, layer.bias
         self.product = native.bf16_product(layer.weight, native.float_bias(layer.bias))
+        self.matmul_dtype = native.matmul_dtype()
 
     def __call__(self, x):
         if sequence_rows(x) <= native.MAX_ROWS:
             return self.product(x).to(x.dtype)
-        dtype = native.matmul_dtype()
+        dtype = self.matmul_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         return bucketed_linear(x.to(dtype), self.weight.to(dtype), bias).to(x.dtype)
 

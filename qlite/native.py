@@ -80,11 +80,16 @@ def isa() -> str | None:
     return wanted
 
 
+def _loaded_isa() -> str | None:
+    """The instruction set of the kernels library() loaded (None: none loaded)."""
+    return None if library() is None else library().isa
+
+
 def matmul_dtype() -> torch.dtype:
     """The dtype of prefill's matmuls on dequantized weights: bf16 beside the AVX-512 kernels (a CPU with
     bf16 arithmetic), float32 beside the AVX2 ones (there torch's bf16 matmul is 3.6x slower than its
     float32 one: 56 against 202 GFLOP/s, 512 x 896 x 4864, torch limited to AVX2 on this machine)."""
-    return torch.float32 if isa() == "avx2" else torch.bfloat16
+    return torch.float32 if _loaded_isa() == "avx2" else torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +112,7 @@ def library() -> ctypes.CDLL | None:
     for fn, argtypes in SIGNATURES.items():
         if hasattr(lib, fn):  # qlite_gemv_vnni exists only where the CPU has AVX-512 VNNI or AVX2
             getattr(lib, fn).argtypes = argtypes
+    lib.isa = name
     return lib
 
 
@@ -227,7 +233,7 @@ def vnni_max_rows() -> int:
     matmul): 16 beside AVX-512's bf16 matmuls; every row count beside AVX2's float32 ones, which they
     beat at any row count (512 rows of the demo's gate_up / down: 1.2-1.6x; its int4 prefill 173 ->
     ~242 tokens/s; KLD +0.3-0.5%: BENCHMARKS.md "AVX2 kernels")."""
-    return VNNI_MAX_ROWS if isa() != "avx2" else sys.maxsize
+    return sys.maxsize if _loaded_isa() == "avx2" else VNNI_MAX_ROWS
 
 
 def vnni_fits(in_features: int, group_size: int) -> bool:

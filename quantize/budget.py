@@ -4,7 +4,7 @@ together take at most B bits per parameter (every stored byte, norms and biases 
 over the source's parameter count), with the least estimated KLD.
 
 Candidates are the formats with native kernels on every layer width they divide (CANDIDATES; int4-g32's
-needs AVX-512 VNNI, as the CPUs with the native kernels' AVX-512 BF16 all have), and 16-bit (the
+are the integer-activation products, which the AVX-512 and the AVX2 kernels both have), and 16-bit (the
 source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
 (quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
 a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then written by the streaming converter

@@ -2,7 +2,8 @@
  * threads), the same in both kernel files (kernels.c, kernels_avx2.c): each defines
  *   bf16_rows(x, w, K, nrows, out)              x bf16 [K], w bf16 [nrows, K]
  *   int8_rows(x, w, scales, K, G, nrows, out)   x fp32 [K], w int8 [nrows, K], scales fp16 [nrows, G]
- * (out[r] = the product with weight row r), then includes this. */
+ * (out[r] = the product with weight row r), then includes this. Also the per-block tables of both files'
+ * integer-activation products (block_scales). */
 
 void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
                      void *y, int out_bf16, int threads) {
@@ -31,4 +32,15 @@ void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t 
         }
     }
     free(xf);
+}
+
+/* the integer-activation products' tables for the nrows weight rows of a block: sw = fp32 weight scales,
+ * sz = scale x zero point (int4; zeros NULL for int8: 0) */
+static inline void block_scales(const uint16_t *scales, const uint8_t *zeros, long G, int nrows,
+                                float (*sw)[MAX_GROUPS], float (*sz)[MAX_GROUPS]) {
+    for (int r = 0; r < nrows; r++)
+        for (long g = 0; g < G; g++) {
+            sw[r][g] = _cvtsh_ss(scales[r * G + g]);
+            sz[r][g] = zeros ? sw[r][g] * (float)zeros[r * G + g] : 0.f;
+        }
 }

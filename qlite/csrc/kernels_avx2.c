@@ -292,11 +292,7 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
         const void *wn = (const uint8_t *)w + n * wbytes;
         float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
-        for (int r = 0; r < nrows; r++)
-            for (long g = 0; g < G; g++) {
-                sw[r][g] = _cvtsh_ss(scales[(n + r) * G + g]);
-                sz[r][g] = int4 ? sw[r][g] * (float)zeros[(n + r) * G + g] : 0.f;
-            }
+        block_scales(scales + n * G, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
         for (long m0 = 0; m0 < M; m0 += XT) {
             int mrows = M - m0 < XT ? (int)(M - m0) : XT;
             float out[ROWS][XT];
