@@ -24,7 +24,8 @@ from . import native
 from .errors import QliteError
 from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference, VnniInt4,
                       VnniInt8)
-from .model import Linear, Step, TorchOps
+from .fused import FusedLayers
+from .model import Linear, Qwen2Model, Step, TorchOps
 from .qlinear import QuantLinear
 
 
@@ -110,3 +111,6 @@ def use_backend(model: nn.Module, name: str = "auto") -> None:
             mod.kernel = None if kernel is None else kernel(mod)
         if hasattr(type(mod), "ops"):
             mod.ops = ops
+    for mod in model.modules():  # once every layer has its kernel
+        if isinstance(mod, Qwen2Model):
+            mod.fused_layers = FusedLayers.build(mod) if ops is NativeOps else None

@@ -238,6 +238,8 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
+    fused_layers = None  # a backend's one-call decode step over every layer (fused.FusedLayers), or None
+
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         fmt = cfg.quantization.embeddings if cfg.quantization else None
@@ -322,8 +324,12 @@ class Qwen2ForCausalLM(nn.Module):
         step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start,
                     key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None)
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
-        for layer in self.model.layers:
-            x = layer(x, step)
+        fused = self.model.fused_layers
+        if fused is not None and fused.takes(x, step):
+            x = fused(x, step)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, step)
         if cache is not None:
             cache.length += T
         if last_only:

@@ -47,6 +47,13 @@ SIGNATURES = {
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _P, _I],
     "qlite_argmax_bf16": [_P, _L, _L, _P, _P],
+    "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _I],
+}
+PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's qlite_product fields, in kind order
+    "qlite_gemv_bf16": ("w", "N", "K"),
+    "qlite_gemv_int8": ("w", "scales", "G", "N", "K"),
+    "qlite_gemv_int4": ("w", "scales", "zeros", "G", "N", "K"),
+    "qlite_gemv_vnni": ("w", "scales", "zeros", "int4", "G", "N", "K"),
 }
 
 
@@ -161,6 +168,7 @@ class Product:
         if bias32 is not None:
             _check(bias32, torch.float32, (N,), "bias")
         self.N, self.K, self.buffers, self.bias32 = N, K, buffers, bias32
+        self.fn_name, self.weight_args = fn, weight_args
         self.fn, self.args = getattr(library(), fn), (*weight_args, _ptr(bias32))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,21 @@ def tiny_variant(request, tmp_path_factory) -> tuple[str, Path]:
     return name, make_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", **CONFIGS[name])
 
 
+def isas_here() -> list[str]:
+    from qlite import native
+    return [name for name, (needs, _, _) in native.ISAS.items() if needs <= native.cpu_flags()]
+
+
+@pytest.fixture(params=isas_here())
+def native_isa(request, monkeypatch):
+    """Each instruction set's native kernels this CPU runs, in turn (QLITE_NATIVE_ISA, as a user forces it)."""
+    from qlite import native
+    monkeypatch.setenv("QLITE_NATIVE_ISA", request.param)
+    native.library.cache_clear()
+    yield request.param
+    monkeypatch.delenv("QLITE_NATIVE_ISA")
+    native.library.cache_clear()
+
 
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:

@@ -155,6 +155,7 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
  * [64 even | 64 odd]; int8's in k order. Weights are unpacked once per chunk for XTILE activation rows. */
 #if defined(__AVX512VNNI__)
 #define XTILE 4  /* activation rows per pass over a block of ROWS weight rows */
+#define INTEGER_PRODUCTS  /* decode_step.h calls qlite_gemv_vnni */
 
 int qlite_vnni_abi(void) { return 1; }
 
@@ -476,4 +477,6 @@ void qlite_argmax_bf16(const uint16_t *x, long rows, long n, int64_t *argmax, ui
         finite[r] = !_mm512_test_epi32_mask(bad, bad);
     }
 }
+
+#include "decode_step.h"
 #endif

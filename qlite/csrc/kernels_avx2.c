@@ -18,6 +18,7 @@ int qlite_gemv_abi(void) { return 0; }
 
 int qlite_gemv_abi(void) { return 1; }
 int qlite_vnni_abi(void) { return 1; }
+#define INTEGER_PRODUCTS  /* decode_step.h calls qlite_gemv_vnni */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -451,4 +452,6 @@ void qlite_argmax_bf16(const uint16_t *x, long rows, long n, int64_t *argmax, ui
         finite[r] = _mm256_testz_si256(bad, bad);
     }
 }
+
+#include "decode_step.h"
 #endif

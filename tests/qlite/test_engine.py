@@ -8,6 +8,7 @@ import torch
 
 from qlite import native
 from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
+from qlite.fused import FusedLayers
 from qlite.pipeline import load
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
 
@@ -56,10 +57,10 @@ def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch)
     the prompt alone through `qlite generate`'s path."""
     want = {p: lm.generate(p, chat=False, max_new_tokens=12) for p in PROMPTS}
     calls = []
-    if native.library() is not None:
-        real = native.decode_attention
-        monkeypatch.setattr(native, "decode_attention",
-                            lambda qkv, *a, **k: calls.append((qkv.shape[0], a[-1] if len(a) > 6 else None)) or real(qkv, *a, **k))
+    if native.library() is not None:  # decode steps run in one native call (fused.py)
+        real = FusedLayers.__call__
+        monkeypatch.setattr(FusedLayers, "__call__",
+                            lambda self, x, step: calls.append((x.shape[0], step.key_starts)) or real(self, x, step))
     engine = Engine(lm, max_batch=8, ctx=96)
     answers = {}
     first = [submit(engine, lm, p, 12, answers) for p in PROMPTS[:8]]
@@ -72,7 +73,7 @@ def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch)
     finally:
         engine.stop()
     assert answers == want
-    if native.library() is not None:  # the padded batches took the native attention, with each row's start
+    if native.library() is not None:  # the padded batches took the native step, with each row's start
         assert any(B > 1 and starts is not None for B, starts in calls)
 
 

@@ -21,17 +21,12 @@ from qlite.qlinear import QuantLinear
 from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
-ISAS_HERE = [name for name, (needs, _, _) in native.ISAS.items() if needs <= native.cpu_flags()]
 
 
-@pytest.fixture(autouse=True, params=ISAS_HERE)
-def isa(request, monkeypatch):
-    """Every test here runs with each instruction set's kernels (QLITE_NATIVE_ISA, as a user forces it)."""
-    monkeypatch.setenv("QLITE_NATIVE_ISA", request.param)
-    native.library.cache_clear()
-    yield request.param
-    monkeypatch.delenv("QLITE_NATIVE_ISA")
-    native.library.cache_clear()
+@pytest.fixture(autouse=True)
+def isa(native_isa):
+    """Every test here runs with each instruction set's kernels this CPU runs."""
+    return native_isa
 
 
 @pytest.mark.parametrize("flags, forced, want", [
@@ -67,7 +62,7 @@ def test_auto_dtype_is_bf16_where_the_cpu_or_the_native_kernels_take_it(monkeypa
 def test_the_avx2_kernels_use_no_avx512_instruction(monkeypatch):
     """What runs on an AVX2-only CPU: the library built for avx2 touches no zmm register."""
     objdump = shutil.which("objdump")
-    if "avx2" not in ISAS_HERE or objdump is None:
+    if not native.ISAS["avx2"][0] <= native.cpu_flags() or objdump is None:
         pytest.skip("needs a CPU with AVX2 and objdump")
     monkeypatch.setenv("QLITE_NATIVE_ISA", "avx2")
     native.library.cache_clear()

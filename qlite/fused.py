@@ -1,0 +1,108 @@
+"""A decode step's decoder layers in one native call (csrc/decode_step.h: qlite_decode_layers), for a model
+whose every linear runs a native product and whose small ops are native (backends.NativeOps). The C side
+calls the very kernels the module path calls, in the same order, so the result is bitwise the same
+(tested); what goes is the Python between them: ~10 module calls, checks and allocations per layer,
+~1.5 ms of a 12.5 ms step of the demo model (BENCHMARKS.md "Decode step in one call")."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import native
+from .model import Qwen2Model, SplitLinear, Step
+
+_I, _L, _P = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
+
+
+class CProduct(ctypes.Structure):  # decode_step.h's qlite_product
+    _fields_ = [("kind", _I), ("int4", _I), ("w", _P), ("scales", _P), ("zeros", _P), ("G", _L), ("N", _L),
+                ("K", _L), ("bias", _P)]
+
+
+class CLayer(ctypes.Structure):  # decode_step.h's qlite_layer
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", CProduct * 3), ("o", CProduct),
+                ("gate_up", CProduct * 2), ("down", CProduct), ("n_qkv", _I), ("n_gate_up", _I)]
+
+
+def c_product(product: native.Product) -> CProduct:
+    fields = dict(zip(native.PRODUCT_ARGS[product.fn_name], product.weight_args))
+    return CProduct(kind=list(native.PRODUCT_ARGS).index(product.fn_name), bias=native._ptr(product.bias32), **fields)
+
+
+def products(linear) -> list[native.Product] | None:
+    """The native products a linear module runs (a SplitLinear's parts in order), or None where a part
+    has none (another kernel) or permutes its input first (act-order GPTQ)."""
+    parts = list(linear.values()) if isinstance(linear, SplitLinear) else [linear]
+    found = [getattr(part.kernel, "product", None) for part in parts]
+    if any(p is None for p in found) or any(getattr(part, "input_order", None) is not None for part in parts):
+        return None
+    return found
+
+
+class FusedLayers:
+    def __init__(self, model: Qwen2Model, table: ctypes.Array):
+        cfg = model.layers[0].self_attn
+        self.table, self.n_layers = table, len(table)
+        self.hidden, self.eps = model.norm.weight.shape[0], model.norm.eps
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv, cfg.head_dim
+        self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in model.layers]
+
+    @classmethod
+    def build(cls, model: Qwen2Model) -> FusedLayers | None:
+        """The fused step for a model whose kernels are set (backends.use_backend), or None where some
+        part of a layer does not run natively (the module path then runs every step)."""
+        if native.library() is None or not hasattr(native.library(), "qlite_decode_layers"):
+            return None
+        attn = model.layers[0].self_attn
+        hidden, hd, q_rows = model.norm.weight.shape[0], attn.head_dim, attn.n_head * attn.head_dim
+        if hidden % 32 or hd % 32 or attn.n_head % attn.n_kv:
+            return None
+        rows = []
+        for layer in model.layers:
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            qkv, o = products(layer.self_attn.qkv_proj), products(layer.self_attn.o_proj)
+            gate_up, down = products(layer.mlp.gate_up_proj), products(layer.mlp.down_proj)
+            if None in (qkv, o, gate_up, down) or any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            inter = sum(p.N for p in gate_up) // 2
+            if (any(p.K != hidden for p in qkv + gate_up) or sum(p.N for p in qkv) != q_rows + 2 * attn.n_kv * hd
+                    or (o[0].K, o[0].N, down[0].N, down[0].K) != (q_rows, hidden, hidden, inter) or inter % 32):
+                return None
+            row = CLayer(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), o=c_product(o[0]),
+                         down=c_product(down[0]), n_qkv=len(qkv), n_gate_up=len(gate_up))
+            row.qkv[:len(qkv)] = [c_product(p) for p in qkv]
+            row.gate_up[:len(gate_up)] = [c_product(p) for p in gate_up]
+            rows.append(row)
+        return cls(model, (CLayer * len(rows))(*rows))
+
+    def takes(self, x: torch.Tensor, step: Step) -> bool:
+        """One new bf16 token per row, a bf16 cache, plain or left-padded rows (as NativeOps.attention)."""
+        cache = step.cache
+        return (x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.is_cpu and cache is not None
+                and cache.k.dtype == torch.bfloat16 and cache.k.is_cpu
+                and (step.mask is None or step.key_starts is not None))
+
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x (B, 1, hidden) -> the residual stream after every layer, (B, 1, hidden); the cache written at step.start."""
+        B = x.shape[0]
+        k, v = step.cache.k, step.cache.v  # (layers, B or more, n_kv, capacity, head_dim)
+        layers, rows, n_kv, capacity, hd = k.shape
+        pos = step.start
+        native._check_rule((layers, n_kv, hd) == (self.n_layers, self.n_kv, self.head_dim) and rows >= B
+                           and k.stride()[2:] == (capacity * hd, hd, 1) and v.shape == k.shape
+                           and v.stride() == k.stride() and 0 <= pos < capacity,
+                           f"cache {tuple(k.shape)} at {pos}: want bf16 [{self.n_layers}, >={B}, {self.n_kv}, "
+                           f"capacity, {self.head_dim}] rows")
+        starts = step.key_starts
+        if starts is not None:
+            starts = starts.contiguous()
+            native._check(starts, torch.int64, (B,), "key_starts")
+            native._check_rule(bool(((starts >= 0) & (starts <= pos)).all()), f"key starts outside 0..{pos}")
+        cos, sin = step.cos.reshape(B, hd).contiguous(), step.sin.reshape(B, hd).contiguous()
+        out = x.reshape(B, self.hidden).clone()  # updated in place
+        native.library().qlite_decode_layers(
+            ctypes.addressof(self.table), self.n_layers, out.data_ptr(), B, self.hidden, self.eps, cos.data_ptr(),
+            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), native._ptr(starts), self.n_head,
+            n_kv, hd, capacity, pos, torch.get_num_threads())
+        return out.view(B, 1, self.hidden)
