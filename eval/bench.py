@@ -169,6 +169,22 @@ def measure(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def pool(results: list[dict]) -> dict:
+    """One job's results from several rounds (each a fresh process) as one: every run's figures, the
+    median load time, the largest memory figures; the first error if any round failed."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    return {"load_s": statistics.median(r["load_s"] for r in results), "runs": [run for r in results for run in r["runs"]],
+            **{k: max(r[k] for r in results) for k in ("rss_above_torch", "anon_above_torch", "peak_rss")}}
+
+
+def interleaved(jobs: list, rounds: int) -> list:
+    """The order to run jobs in over several rounds: forward, then backward, and so on, so that a drift
+    of the machine's speed during the run falls on every job alike."""
+    return [job for r in range(rounds) for job in (jobs if r % 2 == 0 else jobs[::-1])]
+
+
 def decode_bytes(spec: dict) -> int:
     """Weight bytes one decode step reads: every tensor but the embedding (one row of it is read)
     unless the head is the embedding table itself (tied, no head of its own), at the dtype the engine
@@ -251,15 +267,17 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
               help="make f16, Q8_0 and Q4_0 GGUFs from this GGUF (cached beside it) and run llama.cpp on each")
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--new-tokens", default=128, show_default=True)
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="runs per process")
+@click.option("--rounds", default=1, show_default=True,
+              help="processes per job, interleaved with the other jobs' (forward, then backward); figures pool every run")
 @click.option("--threads", default=os.cpu_count(), show_default=True)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
 @click.option("--pair", "pairs", multiple=True, help="NAME_A=NAME_B: print A's speed over B's (repeatable)")
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, threads,
-         md_path, pairs, bandwidth_gbs, json_path, child):
+def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
+         threads, md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
         print(json.dumps(RUNNERS[spec["engine"]](spec)))
@@ -280,12 +298,14 @@ def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, pr
     jobs += [(g.name, {"engine": "llama.cpp", "path": str(g), **common}) for g in gguf]
     if avx2_lib:
         jobs += avx2_variants(jobs, avx2_lib)
-    rows = []
-    for label, spec in jobs:
+    results = {label: [] for label, _ in jobs}
+    for label, spec in interleaved(jobs, rounds):
         click.echo(f"bench {label} ({spec['engine']})", err=True)
-        rows.append(summarize(label, spec, measure(spec), bandwidth_gbs * 1e9))
+        results[label].append(measure(spec))
+    rows = [summarize(label, spec, pool(results[label]), bandwidth_gbs * 1e9) for label, spec in jobs]
+    runs = f"{repeats} runs" if rounds == 1 else f"{rounds} x {repeats} runs (rounds interleaved, each a fresh process)"
     header = (f"{threads} threads, prompt {prompt_tokens} tokens, {new_tokens} new tokens greedy, "
-              f"median (min-max) of {repeats} runs, {time.strftime('%Y-%m-%d')}")
+              f"median (min-max) of {runs}, {time.strftime('%Y-%m-%d')}")
     table = markdown(rows, header, [tuple(p.split("=", 1)) for p in pairs], bandwidth_gbs * 1e9)
     click.echo(table)
     if md_path:

@@ -3,16 +3,19 @@ integer-activation product (native.gemv_vnni), its bf16-activation product (nati
 gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
 three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
 in int4-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
+--steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
+against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
-    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling]
+    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling | --steps DIR]
 """
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import click
 import torch
@@ -94,15 +97,52 @@ def time_sampling(calls: int) -> None:
         print(f"| {name} | {cell(times['next_token'])} | {cell(times['whole'])} | {ratio:.1f}x |")
 
 
+def time_steps(model_dir, calls: int) -> None:
+    """Rounds of 32 greedy decode steps after a 32-token prompt (`calls` rounds of each path, alternating):
+    ms per step of the layer modules and of the fused step, whose logits must be the same bits."""
+    from qlite.loader import load_model
+    model = load_model(model_dir)
+    fused = model.model.fused_layers
+    if fused is None:
+        raise click.ClickException(f"{model_dir}: no fused step here (a layer off the native kernels)")
+
+    def steps(fused_layers, n: int = 32) -> tuple[float, torch.Tensor]:
+        model.model.fused_layers = fused_layers
+        cache, logits = model.new_cache(1, 32 + n), []
+        with torch.inference_mode():
+            out = model(torch.arange(100, 132)[None], cache, last_only=True)
+            t = time.perf_counter()
+            for _ in range(n):
+                token = model.ops.argmax_rows(out[:, -1])[0][0]
+                out = model(torch.tensor([[token]]), cache, last_only=True)
+                logits.append(out[0, -1])
+            return 1e3 * (time.perf_counter() - t) / n, torch.stack(logits)
+
+    if not torch.equal(steps(None)[1], steps(fused)[1]):
+        raise click.ClickException("the fused step's logits differ from the modules'")
+    times = {"modules": [], "fused": []}
+    for _ in range(calls):
+        times["modules"].append(steps(None)[0])
+        times["fused"].append(steps(fused)[0])
+    ratio = statistics.median(times["modules"]) / statistics.median(times["fused"])
+    print("| checkpoint | layer modules ms/step | fused step ms/step | modules / fused |")
+    print("|---|---|---|---|")
+    print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
+
+
 @click.command()
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
-def main(rows, calls, threads, sampling):
+@click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="time decode steps of this checkpoint instead: layer modules against the fused step")
+def main(rows, calls, threads, sampling, steps_dir):
     torch.set_num_threads(threads)
     if sampling:
         return time_sampling(calls)
+    if steps_dir:
+        return time_steps(steps_dir, calls)
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")

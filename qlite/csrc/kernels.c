@@ -239,8 +239,8 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
 /* one block of nrows weight rows against mrows activation rows; out[r * XTILE + m].
  * sz[r][g] = sw z (int4) for the zero-point term, summed into the same vector before the one reduction. */
 static inline __attribute__((always_inline)) void vnni_rows(
-        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const float (*sw)[MAX_GROUPS],
-        const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
+        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
+        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
     /* small: groups of 32 or 64, several per chunk. int4: lane l's 8 inputs lie in group l / (gsize / 8) of the
      * chunk, so the weight scale is a vector (lane_sw) instead of one number; int8: each of the 4 vectors'
      * 32 inputs lie in one group, so its dot product is scaled on its own */
@@ -249,14 +249,16 @@ static inline __attribute__((always_inline)) void vnni_rows(
     const __m512i lane_group = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  in_chunk == 4 ? 2 : 3);  /* l / 4 (groups of 32), l / 8 (of 64) */
     const __mmask16 chunk_groups = (__mmask16)((1u << in_chunk) - 1);
-    float lane_sw[ROWS][16];
+    __m512 lane_sw[ROWS];
     __m512 total[ROWS][XTILE];
     for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
     for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        if (int4 && small)
+        if (int4 && small)  /* from the fp16 scales: a vector load of sw, just written by scalar stores, stalls
+                             * (int4-g64 / -g32 products 1.1-1.3x faster so) */
             for (int r = 0; r < nrows; r++)
-                _mm512_storeu_ps(lane_sw[r], _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(chunk_groups, sw[r] + g)));
+                lane_sw[r] = _mm512_permutexvar_ps(lane_group, _mm512_castps256_ps512(_mm256_cvtph_ps(
+                    _mm_maskz_loadu_epi16((__mmask8)chunk_groups, scales + r * G + g))));
         __m512i wv[ROWS][4];  /* int4: 2 vectors of u8 codes (even k, odd k); int8: 4 of s16 codes */
         for (int r = 0; r < nrows; r++) {
             const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * (int4 ? CHUNK / 2 : CHUNK);
@@ -286,7 +288,7 @@ static inline __attribute__((always_inline)) void vnni_rows(
                 if (int4) dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, wv[r][0], xv[0]), wv[r][1], xv[1]);
                 else for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
                 /* the weight scale as a broadcast memory operand: no register held for it */
-                __m512 scale = small ? _mm512_loadu_ps(lane_sw[r]) : _mm512_set1_ps(sw[r][g]);
+                __m512 scale = small ? lane_sw[r] : _mm512_set1_ps(sw[r][g]);
                 total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), total[r][m]);
             }
         }
@@ -322,13 +324,13 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
             const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
             /* constant arguments for the common shapes: the compiler specialises each */
             #define VNNI_ROWS(NR, MR) do { \
-                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 1, NR, MR, out); \
-                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 1, 0, NR, MR, out); \
-                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 1, NR, MR, out); \
-                else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, 0, 0, NR, MR, out); } while (0)
+                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 1, 1, NR, MR, out); \
+                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 1, 0, NR, MR, out); \
+                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 0, 1, NR, MR, out); \
+                else vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 0, 0, NR, MR, out); } while (0)
             if (nrows == ROWS && mrows == XTILE) VNNI_ROWS(ROWS, XTILE);
             else if (nrows == ROWS && mrows == 1) VNNI_ROWS(ROWS, 1);
-            else vnni_rows(xm, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, mrows, out);
+            else vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, int4, small, nrows, mrows, out);
             #undef VNNI_ROWS
             for (int r = 0; r < nrows; r++)
                 for (int m = 0; m < mrows; m++)

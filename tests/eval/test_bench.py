@@ -1,10 +1,10 @@
-"""eval.bench's bandwidth cap (the bytes one decode step reads) and its AVX2 runs."""
+"""eval.bench's bandwidth cap (the bytes one decode step reads), its AVX2 runs and its rounds."""
 from qlite import native
 from qlite.checkpoint import CheckpointDir
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 
-from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, measure
+from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, measure, pool
 
 
 def test_decode_bytes_count_the_table_only_when_it_is_the_head(tmp_path):
@@ -32,3 +32,14 @@ def test_avx2_variants_rerun_qlite_and_llama_cpp_as_on_an_avx2_cpu(tmp_path):
     if "avx2" in native.ISAS and native.ISAS["avx2"][0] <= native.cpu_flags():
         result = measure(variants["tiny avx2"])  # a fresh process with those variables runs
         assert "error" not in result and result["runs"][0]["decode_tps"] > 0, result
+
+
+def test_rounds_interleave_the_jobs_and_pool_their_runs():
+    assert interleaved(["a", "b", "c"], 1) == ["a", "b", "c"]
+    assert interleaved(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    one = {"load_s": 0.5, "runs": [{"decode_tps": 10}], "rss_above_torch": 5, "anon_above_torch": 1, "peak_rss": 9}
+    two = {"load_s": 0.7, "runs": [{"decode_tps": 12}, {"decode_tps": 11}], "rss_above_torch": 4,
+           "anon_above_torch": 2, "peak_rss": 8}
+    assert pool([one, two]) == {"load_s": 0.6, "runs": [{"decode_tps": 10}, {"decode_tps": 12}, {"decode_tps": 11}],
+                                "rss_above_torch": 5, "anon_above_torch": 2, "peak_rss": 9}
+    assert pool([one, {"error": "boom"}]) == {"error": "boom"}

@@ -19,3 +19,20 @@ def test_products_table_one_row():
     r = CliRunner().invoke(kernel_bench.main, ["--rows", "1", "--calls", "1", "--threads", "1"])
     assert r.exit_code == 0, r.output
     assert len([line for line in r.output.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]) >= 3
+
+
+def test_steps_table_and_a_checkpoint_without_a_fused_step(tmp_path, monkeypatch):
+    from tiny_models import NATIVE_WIDTHS, make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "tiny", **NATIVE_WIDTHS)
+    if native.library() is not None:
+        r = CliRunner().invoke(kernel_bench.main, ["--steps", str(ckpt), "--calls", "1", "--threads", "1"])
+        assert r.exit_code == 0, r.output
+        assert r.output.splitlines()[2].startswith("| tiny | "), r.output
+    monkeypatch.setenv("QLITE_NATIVE", "0")  # torch's kernels: the layer modules only
+    native.library.cache_clear()
+    try:
+        r = CliRunner().invoke(kernel_bench.main, ["--steps", str(ckpt), "--calls", "1"])
+    finally:
+        monkeypatch.delenv("QLITE_NATIVE")
+        native.library.cache_clear()
+    assert r.exit_code == 1 and "no fused step here" in r.output, r.output
