@@ -5,15 +5,21 @@ three alike. Random weights in the demo model's formats (int4-g128 decoder linea
 in int4-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
 against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
+--against SOURCE.c instead times the products of another version of this instruction set's kernel file
+(built as qlite builds its own, with this checkout's headers) against the current ones, call by call
+on the same weights, streamed from memory (copies of each weight, 300 MB in all), one activation row:
+how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
-    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling | --steps DIR]
+    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling | --steps DIR | --against FILE]
 """
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -130,6 +136,64 @@ def time_steps(model_dir, calls: int) -> None:
     print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
 
 
+AGAINST = [  # (product, format, N, K): the products a decode step of the demo's checkpoints and mixes runs
+    ("integer x", Int4(128), 9728, 896), ("integer x", Int4(128), 896, 4864), ("integer x", Int4(32), 9728, 896),
+    ("integer x", Int4(64), 9728, 896), ("integer x", Int8(32), 9728, 896), ("integer x", Int8(None), 151936, 896),
+    ("bf16 x", Int4(128), 9728, 896), ("bf16 x", Int8(None), 151936, 896), ("bf16 x", None, 9728, 896),
+]
+
+
+STREAM_BYTES = 300_000_000  # copies of each weight: more than any cache holds
+
+
+def product_of(kind: str, fmt, stored: dict):
+    if fmt is None:
+        return native.bf16_product(stored["weight"], None)
+    if kind == "integer x":
+        return native.vnni_product(stored["qweight"], stored["scales"], stored.get("zeros"), None)
+    if isinstance(fmt, Int4):
+        return native.int4_product(stored["qweight"], stored["scales"], stored["zeros"], None)
+    return native.int8_product(stored["qweight"], stored["scales"], None)
+
+
+def time_against(source: Path, calls: int) -> None:
+    import copy
+    import shutil
+    import tempfile
+
+    name = native.isa()
+    if native.library() is None:
+        raise click.ClickException("no native kernels here")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = [*native.ISAS[name][2], "-I", str(native.CSRC)]
+        try:
+            other = native.load(native.build(compiler, source, flags, Path(tmp)), name)
+        except subprocess.CalledProcessError as e:
+            raise click.ClickException(f"{source}: does not compile ({e.stderr.decode().strip().splitlines()[-1]})")
+    if other is None:
+        raise click.ClickException(f"{source}: not a kernels file for {name}")
+    print(f"| product ({name}) | weight | current GB/s | {source.name} GB/s | current / {source.name} | same bits |")
+    print("|---|---|---|---|---|---|")
+    for kind, fmt, N, K in AGAINST:
+        weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+        stored = {"weight": weight.bfloat16()} if fmt is None else fmt.quantize(weight)
+        nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+        copies = [{k: t.clone() for k, t in stored.items()} for _ in range(max(2, STREAM_BYTES // nbytes))]
+        current = [product_of(kind, fmt, c) for c in copies]
+        against = [copy.copy(p) for p in current]
+        for p in against:
+            p.fn = getattr(other, p.fn_name)
+        x = torch.randn(1, K).bfloat16()
+        same = torch.equal(current[0](x), against[0](x))
+        times = interleaved({"current": lambda: [p(x) for p in current], "against": lambda: [p(x) for p in against]},
+                            calls)
+        speed = {k: [nbytes * len(copies) / (1e-3 * t) / 1e9 for t in v] for k, v in times.items()}
+        ratio = statistics.median(speed["current"]) / statistics.median(speed["against"])
+        print(f"| {kind} | {fmt.name if fmt else 'bf16'} {N}x{K} | {cell(speed['current'])} | {cell(speed['against'])} "
+              f"| {ratio:.2f} | {'yes' if same else 'no'} |", flush=True)
+
+
 @click.command()
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
@@ -137,12 +201,16 @@ def time_steps(model_dir, calls: int) -> None:
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
-def main(rows, calls, threads, sampling, steps_dir):
+@click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="time the products of this version of the kernel file against the current ones instead")
+def main(rows, calls, threads, sampling, steps_dir, against):
     torch.set_num_threads(threads)
     if sampling:
         return time_sampling(calls)
     if steps_dir:
         return time_steps(steps_dir, calls)
+    if against:
+        return time_against(against, calls)
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")

@@ -111,9 +111,14 @@ def library() -> ctypes.CDLL | None:
     sources = [(CSRC / source).read_text(), *(h.read_text() for h in sorted(CSRC.glob("*.h")))]  # and what it includes
     key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__]).encode())
     try:
-        lib = ctypes.CDLL(str(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16])))
+        return load(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16]), name)
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def load(path: Path, name: str) -> ctypes.CDLL | None:
+    """A built kernels library for the instruction set `name`, its functions typed; None if it has none."""
+    lib = ctypes.CDLL(str(path))
     if lib.qlite_gemv_abi() != 1:
         return None
     for fn, argtypes in SIGNATURES.items():
