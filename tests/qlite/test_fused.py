@@ -38,12 +38,13 @@ def ckpts(tmp_path_factory):
 
 
 def decode_logits(model, prompts, steps=6):
-    """Logits of a greedy decode of the left-padded prompts: (steps + 1, B, vocab)."""
+    """Logits of a greedy decode of the left-padded prompts: (steps + 1, B, vocab). The cache starts one
+    token past the prompt and grows (reallocated) as the steps come, as generate's does."""
     capacity = max(map(len, prompts)) + steps
     ids, key_mask, positions = left_padded(prompts, capacity)
     L = ids.shape[1]
     padded = not bool(key_mask[:, :L].all())
-    cache = model.new_cache(len(prompts), capacity)
+    cache = model.new_cache(len(prompts), L + 1, limit=capacity)
     with torch.inference_mode():
         logits = [model(ids, cache, positions, key_mask[:, :L] if padded else None, last_only=True)[:, -1]]
         pos = positions[:, -1:] + 1
