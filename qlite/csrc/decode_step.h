@@ -2,8 +2,8 @@
  * in both kernel files (kernels.c, kernels_avx2.c), included after their products and small ops. It calls
  * exactly the functions the module path calls one by one (model.DecoderLayer with the native kernels), in
  * the same order, with the same roundings, so its result is bitwise that path's: what it saves is ~10
- * Python calls and torch allocations per layer (~1.5 ms of a 12.5 ms demo step). A file defines
- * INTEGER_PRODUCTS where it has qlite_gemv_vnni. */
+ * Python calls and torch allocations per layer (2.3-2.9 ms of a demo model's 11-21 ms step). A file
+ * defines INTEGER_PRODUCTS where it has qlite_gemv_vnni. */
 
 typedef struct {  /* one product, as native.Product holds it */
     int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni) */
@@ -33,23 +33,22 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
     }
 }
 
-/* y [M, sum of parts' N] = the parts' outputs side by side (model.SplitLinear); part_out: room for one part's */
+static long width(const qlite_product *parts, int n_parts) {  /* a projection's outputs */
+    long N = 0;
+    for (int i = 0; i < n_parts; i++) N += parts[i].N;
+    return N;
+}
+
+/* y [M, width] = the parts' outputs side by side (model.SplitLinear); part_out: room for one part's */
 static void projection(const qlite_product *parts, int n_parts, const uint16_t *x, long M, uint16_t *y,
                        uint16_t *part_out, int threads) {
     if (n_parts == 1) { product(parts, x, M, y, threads); return; }
-    long N = 0, at = 0;
-    for (int i = 0; i < n_parts; i++) N += parts[i].N;
+    long N = width(parts, n_parts), at = 0;
     for (int i = 0; i < n_parts; i++) {
         product(parts + i, x, M, part_out, threads);
         for (long m = 0; m < M; m++) memcpy(y + m * N + at, part_out + m * parts[i].N, 2 * parts[i].N);
         at += parts[i].N;
     }
-}
-
-static long width(const qlite_product *parts, int n_parts) {
-    long N = 0;
-    for (int i = 0; i < n_parts; i++) N += parts[i].N;
-    return N;
 }
 
 static void add_into(uint16_t *x, const uint16_t *d, long n) {  /* x = bf16(x + d), as torch adds bf16 */
@@ -62,18 +61,18 @@ void qlite_decode_layers(const qlite_layer *layers, long n_layers, uint16_t *x, 
                          const float *cos, const float *sin, uint16_t *cache_k, uint16_t *cache_v, long layer_stride,
                          long row_stride, const int64_t *starts, long n_head, long n_kv, long hd, long capacity,
                          long pos, int threads) {
-    long qkv_n = (n_head + 2 * n_kv) * hd, most = 0, part = 0;
+    long qkv_n = (n_head + 2 * n_kv) * hd, gu_n = 0, part = 0;  /* gu_n: the widest gate|up; part: split part */
     for (long l = 0; l < n_layers; l++) {
-        long gu = width(layers[l].gate_up, layers[l].n_gate_up);
-        most = gu > most ? gu : most;
-        for (int i = 0; i < layers[l].n_qkv; i++) part = layers[l].qkv[i].N > part ? layers[l].qkv[i].N : part;
-        for (int i = 0; i < layers[l].n_gate_up; i++) part = layers[l].gate_up[i].N > part ? layers[l].gate_up[i].N : part;
+        const qlite_layer *L = layers + l;
+        gu_n = width(L->gate_up, L->n_gate_up) > gu_n ? width(L->gate_up, L->n_gate_up) : gu_n;
+        for (int i = 0; i < L->n_qkv; i++) part = L->qkv[i].N > part ? L->qkv[i].N : part;
+        for (int i = 0; i < L->n_gate_up; i++) part = L->gate_up[i].N > part ? L->gate_up[i].N : part;
     }
     /* h: a normed row, qkv, attn: attention's output, delta: a projection back to hidden, gu: gate|up,
      * act: silu(gate) * up, part_out: one part of a split projection */
-    uint16_t *h = malloc(2 * B * (2 * hidden + qkv_n + n_head * hd + most + most / 2 + part));
+    uint16_t *h = malloc(2 * B * (2 * hidden + qkv_n + n_head * hd + gu_n + gu_n / 2 + part));
     uint16_t *delta = h + B * hidden, *qkv = delta + B * hidden, *attn = qkv + B * qkv_n;
-    uint16_t *gu = attn + B * n_head * hd, *act = gu + B * most, *part_out = act + B * most / 2;
+    uint16_t *gu = attn + B * n_head * hd, *act = gu + B * gu_n, *part_out = act + B * gu_n / 2;
     for (long l = 0; l < n_layers; l++) {
         const qlite_layer *L = layers + l;
         qlite_rmsnorm(x, B, hidden, L->input_norm, eps, h);
