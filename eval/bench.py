@@ -48,7 +48,7 @@ def run_qlite(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     before = _mem()
     t = time.perf_counter()
-    lm = load(spec["path"], dtype=spec.get("dtype", "auto"))
+    lm = load(spec["path"], dtype=spec.get("dtype", "auto"), kernel=spec.get("kernel", "auto"))
     load_s = time.perf_counter() - t
     prompt = _prompt_ids(lm.tokenizer.encode, spec["prompt_tokens"])
     runs = []
@@ -122,6 +122,12 @@ RUNNERS = {"qlite": run_qlite, "transformers": run_transformers, "llama.cpp": ru
 
 # qlite's AVX2 kernels, and torch's own kernels (aten's vectorized ops, oneDNN's matmuls) limited to AVX2
 AVX2_TORCH_ENV = {"QLITE_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def kernel_variants(model_dirs: list[Path], kernels: str, common: dict) -> list[tuple[str, dict]]:
+    """Each qlite dir again with each named --kernel backend ("native-a16,aten")."""
+    return [(f"{d.name} {kernel}", {"engine": "qlite", "path": str(d), "kernel": kernel, **common})
+            for kernel in filter(None, kernels.split(",")) for d in model_dirs]
 
 
 def avx2_variants(jobs: list[tuple[str, dict]], llama_lib: Path) -> list[tuple[str, dict]]:
@@ -257,6 +263,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.argument("model_dirs", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
 @click.option("--fp32", is_flag=True, help="also run qlite on the first dir in float32")
+@click.option("--kernels", default="", help="also run each dir with these --kernel backends: native-a16,aten")
 @click.option("--torch-kernels", is_flag=True, help="also run each dir with QLITE_NATIVE=0 (torch's own kernels)")
 @click.option("--avx2", "avx2_lib", type=click.Path(path_type=Path, file_okay=False),
               help="also run every qlite and llama.cpp model as on an AVX2 CPU: qlite with its AVX2 kernels and "
@@ -276,7 +283,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
+def main(model_dirs, hf, fp32, kernels, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
          threads, md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
@@ -287,6 +294,7 @@ def main(model_dirs, hf, fp32, torch_kernels, avx2_lib, gguf, llama_cpp_from, pr
     if fp32:
         jobs.insert(1, (f"{model_dirs[0].name} fp32", {"engine": "qlite", "path": str(model_dirs[0]),
                                                         "dtype": "float32", **common}))
+    jobs += kernel_variants(model_dirs, kernels, common)
     if torch_kernels:
         jobs += [(f"{d.name} torch-kernels",
                   {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common}) for d in model_dirs]

@@ -4,7 +4,7 @@ from qlite.checkpoint import CheckpointDir
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 
-from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, measure, pool
+from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, kernel_variants, measure, pool
 
 
 def test_decode_bytes_count_the_table_only_when_it_is_the_head(tmp_path):
@@ -43,3 +43,13 @@ def test_rounds_interleave_the_jobs_and_pool_their_runs():
     assert pool([one, two]) == {"load_s": 0.6, "runs": [{"decode_tps": 10}, {"decode_tps": 12}, {"decode_tps": 11}],
                                 "rss_above_torch": 5, "anon_above_torch": 2, "peak_rss": 9}
     assert pool([one, {"error": "boom"}]) == {"error": "boom"}
+
+
+def test_kernel_variants_run_each_dir_with_each_backend(tmp_path):
+    jobs = kernel_variants([tmp_path / "a", tmp_path / "b"], "native-a16,aten", {"threads": 1})
+    assert [(label, spec["kernel"]) for label, spec in jobs] == [("a native-a16", "native-a16"), ("b native-a16", "native-a16"),
+                                                                 ("a aten", "aten"), ("b aten", "aten")]
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=1)
+    spec = {"engine": "qlite", "path": str(ckpt), "kernel": "nope", "prompt_tokens": 8, "new_tokens": 2, "repeats": 1,
+            "threads": 1}
+    assert "--kernel nope" in measure(spec)["error"]  # the backend reaches the load
