@@ -98,11 +98,7 @@ class FusedLayers:
                            and v.stride() == k.stride() and 0 <= pos < capacity,
                            f"cache {tuple(k.shape)} at {pos}: want bf16 [{self.n_layers}, >={B}, {self.n_kv}, "
                            f"capacity, {self.head_dim}] rows")
-        starts = step.key_starts
-        if starts is not None:
-            starts = starts.contiguous()
-            native._check(starts, torch.int64, (B,), "key_starts")
-            native._check_rule(bool(((starts >= 0) & (starts <= pos)).all()), f"key starts outside 0..{pos}")
+        starts = native.checked_starts(step.key_starts, B, pos)
         cos, sin = step.cos.reshape(B, hd).contiguous(), step.sin.reshape(B, hd).contiguous()
         out = x.reshape(B, self.hidden).clone()  # updated in place
         native.library().qlite_decode_layers(

@@ -324,6 +324,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def checked_starts(starts: torch.Tensor | None, B: int, pos: int) -> torch.Tensor | None:
+    """Where each of B rows' keys start (int64, contiguous, each in 0..pos), as the attention kernel takes them."""
+    if starts is None:
+        return None
+    starts = starts.contiguous()
+    _check(starts, torch.int64, (B,), "starts")
+    _check_rule(bool(((starts >= 0) & (starts <= pos)).all()), f"starts outside 0..{pos}")
+    return starts
+
+
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, n_head: int, pos: int, starts: torch.Tensor | None = None) -> torch.Tensor:
     """One new token of each of B sequences: rotary q and k (cos/sin float32 [B, head_dim]), k and v
@@ -342,14 +352,11 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
     for t, name in ((cos, "cos"), (sin, "sin")):
         _check(t, torch.float32, (B, hd), name)
     _check_rule(0 <= pos < capacity, f"position {pos} outside a cache of {capacity}")
-    if starts is not None:
-        starts = starts.contiguous()
-        _check(starts, torch.int64, (B,), "starts")
-        _check_rule(bool(((starts >= 0) & (starts <= pos)).all()), f"starts outside 0..{pos}")
+    starts = checked_starts(starts, B, pos)
     out = torch.empty(B, n_head * hd, dtype=torch.bfloat16)
     library().qlite_decode_attention(qkv.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
                                      cache_v.data_ptr(), cache_k.stride(0),
-                                     None if starts is None else starts.data_ptr(), n_head, n_kv, hd, capacity,
+                                     _ptr(starts), n_head, n_kv, hd, capacity,
                                      pos, out.data_ptr(), torch.get_num_threads())
     return out
 
