@@ -2,7 +2,7 @@
 integer-activation product (native.gemv_vnni), its bf16-activation product (native.gemv_int4 /
 gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
 three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
-in int4-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
+in int4-g64 / -g32, int4k-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
 against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
 --against SOURCE.c instead times the products of another version of this instruction set's kernel file
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from qlite import native
-from qlite.formats import Int4, Int8
+from qlite.formats import Int4, Int4K, Int8
 from qlite.generate import SamplingParams, filter_min_p, filter_top_k, filter_top_p, next_token
 
 SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder linears and lm_head
@@ -38,6 +38,10 @@ SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder line
     ("down int4-g64", Int4(64), 896, 4864),
     ("gate_up int4-g32", Int4(32), 9728, 896),  # no bf16-activation product: its steps are 64 weights
     ("down int4-g32", Int4(32), 896, 4864),
+    ("gate_up int4k-g64", Int4K(64), 9728, 896),  # 8-bit scales under a row scale
+    ("down int4k-g64", Int4K(64), 896, 4864),
+    ("gate_up int4k-g32", Int4K(32), 9728, 896),
+    ("down int4k-g32", Int4K(32), 896, 4864),
     ("gate_up int8-g32", Int8(32), 9728, 896),
     ("down int8-g32", Int8(32), 896, 4864),
     ("lm_head int8", Int8(None), 151936, 896),
@@ -64,13 +68,13 @@ def cell(times: list[float]) -> str:
 
 def contenders(stored, fmt) -> dict:
     """NAMES -> a function of x (M, K) for this weight, where the format has that kernel."""
-    q, s, z = stored["qweight"], stored["scales"], stored.get("zeros")
+    q, s, z, d = stored["qweight"], stored["scales"], stored.get("zeros"), stored.get("row_scales")
     if z is None:
         funcs = (lambda x: native.gemv_vnni(x, q, s, None, None), lambda x: native.gemv_int8(x, q, s, None),
                  lambda x: F.linear(x, native.dequantize_int8(q, s)))
     else:
-        funcs = (lambda x: native.gemv_vnni(x, q, s, z, None), lambda x: native.gemv_int4(x, q, s, z, None),
-                 lambda x: F.linear(x, native.dequantize_int4(q, s, z)))
+        funcs = (lambda x: native.gemv_vnni(x, q, s, z, None, d), lambda x: native.gemv_int4(x, q, s, z, None, d),
+                 lambda x: F.linear(x, native.dequantize_int4(q, s, z, d)))
     out = dict(zip(NAMES, funcs))
     if isinstance(fmt, Int4) and fmt.group_size % 64:
         del out["bf16 x"]
@@ -150,9 +154,10 @@ def product_of(kind: str, fmt, stored: dict):
     if fmt is None:
         return native.bf16_product(stored["weight"], None)
     if kind == "integer x":
-        return native.vnni_product(stored["qweight"], stored["scales"], stored.get("zeros"), None)
+        return native.vnni_product(stored["qweight"], stored["scales"], stored.get("zeros"), None,
+                                   stored.get("row_scales"))
     if isinstance(fmt, Int4):
-        return native.int4_product(stored["qweight"], stored["scales"], stored["zeros"], None)
+        return native.int4_product(stored["qweight"], stored["scales"], stored["zeros"], None, stored.get("row_scales"))
     return native.int8_product(stored["qweight"], stored["scales"], None)
 
 
@@ -196,6 +201,46 @@ def time_against(source: Path, calls: int) -> None:
               f"| {ratio:.2f} | {'yes' if same else 'no'} |", flush=True)
 
 
+def time_decode_costs(calls: int) -> None:
+    """Picoseconds per weight of each --target-bpw choice's one-row product as the native backend runs it
+    (the kernel choose_kernel picks), streamed from STREAM_BYTES of copies, on the demo's gate_up and
+    down_proj shapes: what quantize/budget.py's DECODE_PS holds."""
+    from qlite.backends import choose_kernel
+    from qlite.formats import format_named
+    from qlite.qlinear import QuantLinear
+    from quantize.budget import CANDIDATES
+    if native.library() is None:
+        raise click.ClickException("no native kernels here")
+    print(f"| choice ({native.isa()}) | weight | kernel | GB/s | ps per weight |")
+    print("|---|---|---|---|---|")
+    for name in (*CANDIDATES, None):
+        fmt = None if name is None else format_named(name)
+        for N, K in ((9728, 896), (896, 4864)):
+            weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+            if fmt is None:
+                stored, kernel = {"weight": weight.bfloat16()}, "native-bf16"
+                make = lambda c: native.bf16_product(c["weight"], None)
+            else:
+                layer = QuantLinear(K, N, False, fmt)
+                stored = fmt.quantize(weight)
+                for k, t in stored.items():
+                    setattr(layer, k, t)
+                cls = choose_kernel(layer, "native")
+                kernel = cls.name
+
+                def make(c, cls=cls):
+                    for k, t in c.items():
+                        setattr(layer, k, t)
+                    return cls(layer).product
+            nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+            products = [make({k: t.clone() for k, t in stored.items()}) for _ in range(max(2, STREAM_BYTES // nbytes))]
+            x = torch.randn(1, K).bfloat16()
+            times = interleaved({"all": lambda: [p(x) for p in products]}, calls)["all"]
+            ms = statistics.median(times)
+            print(f"| {name or '16-bit'} | {N}x{K} | {kernel} | {nbytes * len(products) / (1e-3 * ms) / 1e9:.1f} "
+                  f"| {1e9 * ms / (N * K * len(products)):.2f} |", flush=True)
+
+
 @click.command()
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
@@ -205,8 +250,12 @@ def time_against(source: Path, calls: int) -> None:
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
 @click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="time the products of this version of the kernel file against the current ones instead")
-def main(rows, calls, threads, sampling, steps_dir, against):
+@click.option("--decode-costs", is_flag=True, help="time each --target-bpw choice's one-row product, streamed, "
+              "instead (budget.DECODE_PS)")
+def main(rows, calls, threads, sampling, steps_dir, against, decode_costs):
     torch.set_num_threads(threads)
+    if decode_costs:
+        return time_decode_costs(calls)
     if sampling:
         return time_sampling(calls)
     if steps_dir:

@@ -218,12 +218,13 @@ def info(model_dir):
 @click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<format>)")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
 @click.option("--group-size", type=at_least(1), default=None,
-              help="weights per scale along the input; int4 default 128, int8 default per output channel")
+              help="weights per scale along the input; int4 default 128 (intk 32), int8 default per output channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
-@click.option("--format", "scheme", type=click.Choice(["int", "nf4", "llm.int8", "bnb-int8"]), default="int",
-              show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric), or bitsandbytes' "
-              "NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
+@click.option("--format", "scheme", type=click.Choice(["int", "intk", "nf4", "llm.int8", "bnb-int8"]), default="int",
+              show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric); intk: int4 whose "
+              "group scales are 8-bit codes under a row scale (int4k-gG: small groups for fewer bytes); or "
+              "bitsandbytes' NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
 @click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]),
               help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
               "--symmetric; 16: not quantized (the default for bitsandbytes formats)")
@@ -243,18 +244,23 @@ def info(model_dir):
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
 @click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
 @click.option("--target-bpw", type=Number(float, 0, low_open=True, rule="> 0"),
-              help="choose a format for every tensor (int4-g128/g64, int8, int8-g32, 16-bit) by its measured "
-              "sensitivity: the least-KLD mix whose tensors take at most this many bits per parameter (minutes)")
+              help="choose a format for every tensor (int4-g128, int4k-g64/g32, int8, int8-g32, 16-bit) by its "
+              "measured sensitivity: the least-KLD mix whose tensors take at most this many bits per parameter (minutes)")
+@click.option("--no-slower-than", metavar="FORMAT",
+              help="with --target-bpw: a mix whose estimated decode step is no longer than the model's in FORMAT "
+              "(int4-g128, int8, ...; lm_head int8, as quantize writes it by default)")
 @click.option("--target-kld", type=Number(float, 0, low_open=True, rule="> 0"),
               help="the smallest mix whose mean KLD on each built-in text (as the report measures it) is at most "
               "this, found by writing and measuring a few mixes (minutes)")
 @click.pass_context
 def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
-             no_report, method, calib_data, nsamples, seqlen, act_order, damp, target_bpw, target_kld):
+             no_report, method, calib_data, nsamples, seqlen, act_order, damp, target_bpw, no_slower_than, target_kld):
     """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
     calibrated with GPTQ one decoder layer at a time, or to a size budget (--target-bpw)."""
     skips = tuple(s.strip() for s in skip.split(",") if s.strip())
     writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
+    if no_slower_than is not None and target_bpw is None:
+        raise QliteError("--no-slower-than: goes with --target-bpw")
     if target_bpw is not None or target_kld is not None:
         flag = "--target-bpw" if target_bpw is not None else "--target-kld"
         given = flags_beside_target(ctx, by_kld=target_bpw is None, gptq=method == "gptq", no_report=no_report)
@@ -263,14 +269,14 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
         from quantize.budget import budget_convert, kld_convert
         gptq = dict(calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order, damp=damp)
         summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, gptq=gptq if method == "gptq" else None,
-                                  **writing) if target_bpw is not None
+                                  no_slower_than=no_slower_than, **writing) if target_bpw is not None
                    else kld_convert(src, out, target_kld=target_kld, skip=skips, force=force,
                                     max_shard_bytes=writing["max_shard_bytes"]))
         click.echo(str(summary))
         return
     bits = int(bits)
-    if group_size is None and bits == 4 and scheme == "int":
-        group_size = 128
+    if group_size is None and bits == 4 and scheme in ("int", "intk"):
+        group_size = 128 if scheme == "int" else 32
     formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
                    else scheme, skip=skips,
                    lm_head_bits=int(lm_head_bits) if lm_head_bits else None,

@@ -86,7 +86,7 @@ class AtenInt4:
         codes = F.pad(unpack_int4(layer.qweight, K).to(torch.int32), (0, 0, 0, pad))  # (N + pad, K)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, AtenInt4.INNER_K_TILES)
         # canonical w = (q - z) * s; the kernel computes (q - 8) * s + zero, so zero = (8 - z) * s
-        s, z = layer.scales.float(), layer.zeros.float()
+        s, z = layer.fmt.group_scales(layer.stored()), layer.zeros.float()
         scales_zeros = torch.stack([s, (8 - z) * s], dim=-1)  # (N, groups, 2)
         scales_zeros = F.pad(scales_zeros, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous()  # (groups, N + pad, 2)
         self.scales_zeros = scales_zeros.to(torch.bfloat16)
@@ -145,16 +145,16 @@ class _Native:
     max_rows = native.MAX_ROWS
 
     def __init__(self, layer):
-        self.stored = [t.contiguous() for t in layer.stored().values()]
+        self.stored = {name: t.contiguous() for name, t in layer.stored().items()}  # by native's argument names
         self.bias = layer.bias
-        self.product = self.prepare(*self.stored, native.float_bias(layer.bias))
+        self.product = self.prepare(**self.stored, bias32=native.float_bias(layer.bias))
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.matmul_dtype = native.matmul_dtype()
 
     def __call__(self, x):
         if sequence_rows(x) <= self.max_rows:
             return self.product(x).to(x.dtype)
-        weight = self.dequantize(*self.stored, out=dequantize_buffer(self.out_features, self.in_features))
+        weight = self.dequantize(**self.stored, out=dequantize_buffer(self.out_features, self.in_features))
         return _bias(bucketed_linear(x.to(self.matmul_dtype), weight.to(self.matmul_dtype)).to(x.dtype), self.bias)
 
 

@@ -39,10 +39,10 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
     "qlite_gemv_bf16": [_P, _L, _P, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_int8": [_P, _L, _P, _P, _L, _L, _L, _P, _P, _I, _I],
-    "qlite_gemv_int4": [_P, _L, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
-    "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_gemv_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
-    "qlite_dequantize_int4": [_P, _P, _P, _L, _L, _L, _P, _I],
+    "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _P, _I],
@@ -52,8 +52,8 @@ SIGNATURES = {
 PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's qlite_product fields, in kind order
     "qlite_gemv_bf16": ("w", "N", "K"),
     "qlite_gemv_int8": ("w", "scales", "G", "N", "K"),
-    "qlite_gemv_int4": ("w", "scales", "zeros", "G", "N", "K"),
-    "qlite_gemv_vnni": ("w", "scales", "zeros", "int4", "G", "N", "K"),
+    "qlite_gemv_int4": ("w", "scales", "row_scales", "zeros", "G", "N", "K"),
+    "qlite_gemv_vnni": ("w", "scales", "row_scales", "zeros", "int4", "G", "N", "K"),
 }
 
 
@@ -200,12 +200,14 @@ def int8_product(qweight, scales, bias32) -> Product:
                    (qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K), bias32)
 
 
-def int4_product(qweight, scales, zeros, bias32) -> Product:
-    """For packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]."""
+def int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
+    """For packed int4 codes [N, K/2] with fp16 scales and uint8 zeros [N, groups]; int4k: uint8 scale
+    codes under row_scales fp16 [N, 1] (each group's scale fp16(row scale x code))."""
     N, K = qweight.shape[0], 2 * qweight.shape[1]
-    _check_int4(qweight, scales, zeros)
-    return Product("qlite_gemv_int4", N, K, (qweight, scales, zeros),
-                   (qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K), bias32)
+    _check_int4(qweight, scales, zeros, row_scales)
+    return Product("qlite_gemv_int4", N, K, (qweight, scales, zeros, row_scales),
+                   (qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), zeros.data_ptr(), scales.shape[1], N, K),
+                   bias32)
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
@@ -217,8 +219,8 @@ def gemv_int8(x: torch.Tensor, qweight, scales, bias32) -> torch.Tensor:
     return int8_product(qweight, scales, bias32)(x)
 
 
-def gemv_int4(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
-    return int4_product(qweight, scales, zeros, bias32)(x)
+def gemv_int4(x: torch.Tensor, qweight, scales, zeros, bias32, row_scales=None) -> torch.Tensor:
+    return int4_product(qweight, scales, zeros, bias32, row_scales)(x)
 
 
 def _check_int8(qweight, scales) -> None:
@@ -228,10 +230,12 @@ def _check_int8(qweight, scales) -> None:
     _check_groups(N, K, scales.shape[-1], 32)
 
 
-def _check_int4(qweight, scales, zeros, weights_per_step: int = 64) -> None:
+def _check_int4(qweight, scales, zeros, row_scales, weights_per_step: int = 64) -> None:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     _check(qweight, torch.uint8, (N, K // 2), "qweight")
-    _check(scales, torch.float16, (N, scales.shape[-1]), "scales")
+    _check(scales, torch.float16 if row_scales is None else torch.uint8, (N, scales.shape[-1]), "scales")
+    if row_scales is not None:
+        _check(row_scales, torch.float16, (N, 1), "row_scales")
     _check(zeros, torch.uint8, (N, scales.shape[-1]), "zeros")
     _check_groups(N, K, scales.shape[-1], weights_per_step)
 
@@ -255,20 +259,22 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
             and in_features // group_size <= MAX_GROUPS)
 
 
-def vnni_product(qweight, scales, zeros, bias32) -> Product:
+def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
     int8 for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
-    _check_int4(qweight, scales, zeros, 32) if int4 else _check_int8(qweight, scales)
+    _check_rule(int4 or row_scales is None, "row_scales without zeros (int4k is int4)")
+    _check_int4(qweight, scales, zeros, row_scales, 32) if int4 else _check_int8(qweight, scales)
     _check_rule(vnni_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
                 f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no integer-activation kernels)")
-    return Product("qlite_gemv_vnni", N, K, (qweight, scales, zeros),
-                   (qweight.data_ptr(), scales.data_ptr(), _ptr(zeros), int(int4), scales.shape[1], N, K), bias32)
+    return Product("qlite_gemv_vnni", N, K, (qweight, scales, zeros, row_scales),
+                   (qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), _ptr(zeros), int(int4), scales.shape[1], N,
+                    K), bias32)
 
 
-def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32) -> torch.Tensor:
-    return vnni_product(qweight, scales, zeros, bias32)(x)
+def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32, row_scales=None) -> torch.Tensor:
+    return vnni_product(qweight, scales, zeros, bias32, row_scales)(x)
 
 
 def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:
@@ -288,12 +294,12 @@ def dequantize_int8(qweight, scales, out: torch.Tensor | None = None) -> torch.T
     return out
 
 
-def dequantize_int4(qweight, scales, zeros, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_int4(qweight, scales, zeros, row_scales=None, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = qweight.shape[0], 2 * qweight.shape[1]
-    _check_int4(qweight, scales, zeros, 32)  # 32 weights a step
+    _check_int4(qweight, scales, zeros, row_scales, 32)  # 32 weights a step
     out = _bf16_out(out, N, K)
-    library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1], N, K,
-                                    out.data_ptr(), torch.get_num_threads())
+    library().qlite_dequantize_int4(qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), zeros.data_ptr(),
+                                    scales.shape[1], N, K, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -72,12 +72,13 @@ class QuantConfig:
         """From the quantize flags. bitsandbytes formats are made by bitsandbytes (method "bnb") and
         keep lm_head and the embeddings 16-bit by default, as transformers does for them; qlite's make
         both int8 per row (a tied model then stores one int8 table)."""
-        linear = format_for_fields(scheme, bits if scheme == "int" else None, group_size, symmetric)
+        ours = scheme in ("int", "intk")  # qlite's integer formats, not bitsandbytes'
+        linear = format_for_fields(scheme, bits if ours else None, group_size, symmetric)
         if lm_head_bits is None:
-            lm_head_bits = 8 if scheme == "int" else 16
+            lm_head_bits = 8 if ours else 16
         if embed_bits is None:
-            embed_bits = 8 if scheme == "int" else 16
-        method = method if scheme == "int" else "bnb"
+            embed_bits = 8 if ours else 16
+        method = method if ours else "bnb"
         return cls(linear, table_format(lm_head_bits, group_size, symmetric), method, LINEAR_KINDS,
                    tuple(skip), dict(params or {}), embeddings=table_format(embed_bits, group_size, symmetric,
                                                                              "--embed-bits"))

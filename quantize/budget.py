@@ -3,12 +3,19 @@ layer's q/k/v, o_proj, gate/up and down_proj, the embeddings, lm_head) such that
 together take at most B bits per parameter (every stored byte, norms and biases included, times 8,
 over the source's parameter count), with the least estimated KLD.
 
-Candidates are the formats with native kernels on every layer width they divide (CANDIDATES; int4-g32's
+Candidates are the formats with native kernels on every layer width they divide (CANDIDATES; int4k-g32's
 are the integer-activation products, which the AVX-512 and the AVX2 kernels both have), and 16-bit (the
-source's own tensor, copied). Each unit's cost in each format is its estimated KLD alone
+source's own tensor, copied). Small int4 groups are int4k's (8-bit scales under a row scale): the error of
+int4-g32 / -g64 in 0.25 / 0.125 fewer bits per weight. Each unit's cost in each format is its estimated KLD alone
 (quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
 a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then written by the streaming converter
 as any other, with per-module formats in its quantization_config (format_version 3).
+
+`--no-slower-than FORMAT` adds a decode-time budget: the mix's estimated one-token step (each unit's
+weights times its choice's DECODE_PS; the embeddings' lookup reads one row, so nothing) must take no
+longer than that of the model in FORMAT (its decoder linears, lm_head int8: what `qlite quantize`
+writes by default). Solved by pricing time in KLD: the knapsack on cost KLD + lambda x seconds, with
+the smallest lambda (bisected) whose mix meets the time.
 
 --target-kld K is the converse: the smallest mix whose measured mean KLD on each built-in text (the
 quantization report's measurement) is at most K, found by writing and measuring a few mixes
@@ -35,8 +42,13 @@ from .knapsack import choose
 from .report import can_measure
 from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
 
-CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "int8-g32")  # and 16-bit (None)
+CANDIDATES = ("int4-g128", "int4k-g64", "int4k-g32", "int8", "int8-g32")  # and 16-bit (None)
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
+# Picoseconds per weight of each choice's one-token product as the native backend runs it, streamed from
+# memory: `python -m eval.kernel_bench --decode-costs` on the project's AMD EPYC Zen 4 (AVX-512 VNNI, 2
+# threads), the median of the demo's gate_up and down_proj shapes. Only ratios matter (--no-slower-than
+# compares mixes with a reference model on the same table); on an AVX2 CPU the ratios differ somewhat.
+DECODE_PS = {"int4-g128": 15.7, "int4k-g64": 21.4, "int4k-g32": 26.2, "int8": 28.2, "int8-g32": 29.5, None: 49.2}
 TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
 
 
@@ -45,10 +57,15 @@ def stored_bytes(fmt: Format | None, shape: tuple[int, int], element_size: int) 
     return math.prod(shape) * element_size if fmt is None else fmt.nbytes(*shape)
 
 
+def unit_infos(src, unit: Unit) -> list:
+    """The source tensors of the unit's modules (a tied model's head: the embeddings')."""
+    name = "model.embed_tokens" if unit.name in (EMBEDDINGS, "lm_head") and src.config.tie_word_embeddings else None
+    return [src.tensors[f"{name or m}.weight"] for m in unit.modules]
+
+
 def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | None, int]]:
     """(format, bytes) of each candidate that fits every module of the unit; 16-bit always, only it if skipped."""
-    name = "model.embed_tokens" if unit.name in (EMBEDDINGS, "lm_head") and src.config.tie_word_embeddings else None
-    infos = [src.tensors[f"{name or m}.weight"] for m in unit.modules]
+    infos = unit_infos(src, unit)
     fmts: list[Format | None] = [None]
     if not any(s and s in m for s in skip for m in unit.modules):
         for candidate in map(format_named, CANDIDATES):
@@ -75,16 +92,23 @@ class Mixer:
         held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
         self.fixed = sum(info.nbytes for name, info in src.tensors.items() if name not in held)  # norms, biases
         self.costs = {u: [0.0] * len(o) for u, o in self.options.items()}  # until measured
+        # decode seconds of each option: weights read per token x DECODE_PS (a lookup reads one row: 0)
+        weights = {u.name: 0 if u.name == EMBEDDINGS else sum(math.prod(i.shape) for i in unit_infos(src, u))
+                   for u in self.units}
+        self.seconds = {u: [1e-12 * weights[u] * DECODE_PS.get(f and f.name, 0.0) for f, _ in o]
+                        for u, o in self.options.items()}
 
-    def table(self) -> tuple[list[str], list[list[tuple[int, float]]]]:
-        """The knapsack: names and, per name, its options' (bytes, cost); a tied model's embeddings and
-        head are one item of (table, head) pairs, one stored copy when they have one format."""
+    def table(self, price: float = 0.0) -> tuple[list[str], list[list[tuple[int, float]]]]:
+        """The knapsack: names and, per name, its options' (bytes, cost), cost = KLD + price x decode
+        seconds; a tied model's embeddings and head are one item of (table, head) pairs, one stored copy
+        when they have one format."""
         tied = self.cfg.tie_word_embeddings
+        cost = {u: [c + price * t for c, t in zip(self.costs[u], self.seconds[u])] for u in self.costs}
         names = [u.name for u in self.units if not (tied and u.name in (EMBEDDINGS, "lm_head"))]
-        table = [[(b, self.costs[u][j]) for j, (_, b) in enumerate(self.options[u])] for u in names]
+        table = [[(b, cost[u][j]) for j, (_, b) in enumerate(self.options[u])] for u in names]
         if tied:
             emb, head = self.options[EMBEDDINGS], self.options["lm_head"]
-            table.append([(be if fe == fh else be + bh, self.costs[EMBEDDINGS][i] + self.costs["lm_head"][j])
+            table.append([(be if fe == fh else be + bh, cost[EMBEDDINGS][i] + cost["lm_head"][j])
                           for i, (fe, be) in enumerate(emb) for j, (fh, bh) in enumerate(head)])
             names.append(TABLE)
         return names, table
@@ -106,10 +130,26 @@ class Mixer:
         self.costs = {u: [0.0 if f is None else measured[u][candidates[u].index(f)] for f, _ in o]
                       for u, o in self.options.items()}
 
-    def mix(self, budget: int) -> tuple[dict[str, Format | None], float] | None:
-        """The least-KLD mix within `budget` bytes of units: every module's format (lm_head and
-        the embeddings included) and the estimated KLD; None if nothing fits."""
-        names, table = self.table()
+    def mix(self, budget: int, max_seconds: float | None = None) -> tuple[dict[str, Format | None], float] | None:
+        """The least-KLD mix within `budget` bytes of units (and, given max_seconds, an estimated decode
+        step no longer): every module's format (lm_head and the embeddings included) and the estimated
+        KLD; None if nothing fits."""
+        found = self._mix(budget, 0.0)
+        if found is None or max_seconds is None or self.decode_seconds(found[0]) <= max_seconds:
+            return found
+        low, high = 0.0, 1.0  # the price of a second in nats: raise until the time fits, then bisect
+        while (slow := self._mix(budget, high)) is None or self.decode_seconds(slow[0]) > max_seconds:
+            if high > 1e12:
+                return None
+            low, high = high, high * 4
+        for _ in range(40):
+            mid = (low + high) / 2
+            found = self._mix(budget, mid)
+            low, high = (low, mid) if found and self.decode_seconds(found[0]) <= max_seconds else (mid, high)
+        return self._mix(budget, high)
+
+    def _mix(self, budget: int, price: float) -> tuple[dict[str, Format | None], float] | None:
+        names, table = self.table(price)
         pick = choose(table, budget)
         if pick is None:
             return None
@@ -120,7 +160,31 @@ class Mixer:
                 formats[EMBEDDINGS], formats["lm_head"] = self.options[EMBEDDINGS][i][0], self.options["lm_head"][k][0]
             else:
                 formats.update(dict.fromkeys(self.modules[name], self.options[name][j][0]))
-        return formats, sum(table[n][j][1] for n, j in enumerate(pick))
+        return formats, self.kld(formats)
+
+    def _option(self, unit: str, formats: dict) -> int:
+        chosen = formats[self.modules[unit][0]]
+        return next(j for j, (f, _) in enumerate(self.options[unit]) if f == chosen)
+
+    def kld(self, formats: dict[str, Format | None]) -> float:
+        """The estimated KLD of a mix (every module's format)."""
+        return sum(self.costs[u][self._option(u, formats)] for u in self.options)
+
+    def decode_seconds(self, formats: dict[str, Format | None]) -> float:
+        """The estimated decode step of a mix (every module's format): its products' DECODE_PS."""
+        return sum(self.seconds[u][self._option(u, formats)] for u in self.options)
+
+    def reference_seconds(self, name: str) -> float:
+        """The estimated decode step of the model in format `name` (a candidate), as `qlite quantize`
+        writes it: every decoder linear it fits (the others, and skipped ones, 16-bit), lm_head int8."""
+        if name not in DECODE_PS:
+            raise QliteError(f"--no-slower-than {name}: choose one of {', '.join(k for k in DECODE_PS if k)}")
+        fmt, formats = format_named(name), {EMBEDDINGS: None, "lm_head": format_named("int8")}
+        for u in self.units:
+            if u.name not in (EMBEDDINGS, "lm_head"):
+                fits = fmt in [f for f, _ in self.options[u.name]]
+                formats.update(dict.fromkeys(u.modules, fmt if fits else None))
+        return self.decode_seconds(formats)
 
     def qconfig(self, formats: dict[str, Format | None], params: dict, method: str = "rtn") -> QuantConfig:
         linears = {m: f for m, f in formats.items() if m not in (EMBEDDINGS, "lm_head")}
@@ -153,21 +217,31 @@ def positive(value, flag: str, what: str) -> None:
 def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float, skip: tuple[str, ...] = (),
                    windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, force: bool = False,
                    max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
-                   gptq: dict | None = None) -> Summary:
+                   gptq: dict | None = None, no_slower_than: str | None = None) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
     module docstring); returns the converter's Summary. gptq: quantize the mix with GPTQ instead of
-    round to nearest, with these gptq_convert settings (calib, nsamples, seqlen, act_order, damp)."""
+    round to nearest, with these gptq_convert settings (calib, nsamples, seqlen, act_order, damp).
+    no_slower_than: a format name; the mix's estimated decode step at most that model's."""
     positive(target_bpw, "--target-bpw", "number of bits per parameter")
     t0 = time.perf_counter()
     settings = {"target_bpw": target_bpw, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
+    if no_slower_than:
+        settings["no_slower_than"] = no_slower_than
     mixer, out = prepare(src, out, settings, skip, force, "--target-bpw")
     budget = mixer.bytes_for(target_bpw)
+    max_seconds = mixer.reference_seconds(no_slower_than) if no_slower_than else None
     if mixer.mix(budget) is None:
         raise QliteError(f"--target-bpw {target_bpw:g}: below the smallest mix for {mixer.src.path} "
                          f"({mixer.smallest_bits():.3f} bits per parameter, every quantized tensor in its smallest format)")
+    if max_seconds is not None and mixer.mix(budget, max_seconds) is None:
+        raise QliteError(f"--no-slower-than {no_slower_than}: no mix within --target-bpw {target_bpw:g} decodes as fast "
+                         f"(estimated)")
     mixer.measure(windows, seqlen, samples, progress)
-    formats, predicted = mixer.mix(budget)
+    formats, predicted = mixer.mix(budget, max_seconds)
     recorded = {**settings, "predicted_kld": round(predicted, 6)}
+    if max_seconds is not None:
+        recorded.update(predicted_decode_ms=round(1e3 * mixer.decode_seconds(formats), 3),
+                        reference_decode_ms=round(1e3 * max_seconds, 3))
     if gptq:
         recorded.update(act_order=gptq["act_order"], damp=gptq["damp"], nsamples=gptq["nsamples"],
                         seqlen=gptq["seqlen"], calibration=gptq["calib"])

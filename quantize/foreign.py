@@ -2,7 +2,7 @@
 
 qlite (formats.py), per linear [N, K], G weights per group along K:
   int4-gG: codes q 0..15 [N, K] two per byte (column 2j in the low nibble), fp16 scales and uint8
-           zero points z [N, K/G]; w = (q - z) * s.
+           zero points z [N, K/G]; w = (q - z) * s. int4k-gG exports as int4-gG: its scales are fp16 numbers.
   int8:    codes q -127..127 int8 [N, K], fp16 scales [N, K/G] (or [N, 1]); w = q * s.
 Both are written here as unsigned b-bit codes u (int4: u = q; int8: u = q + 128) with zero points
 zu (int4: z; int8: 128), w = (u - zu) * s: the form both peers below store.
@@ -58,8 +58,8 @@ def to_unsigned(fmt: Format, stored: dict[str, torch.Tensor], in_features: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes u uint8 [N, K], fp16 scales [N, groups], zero points zu uint8 [N, groups])."""
     scales = stored["scales"]
-    if isinstance(fmt, Int4):
-        return unpack_int4(stored["qweight"], in_features), scales, stored["zeros"]
+    if isinstance(fmt, Int4):  # int4k's coded scales as the fp16 numbers they stand for (exactly)
+        return unpack_int4(stored["qweight"], in_features), fmt.group_scales(stored).half(), stored["zeros"]
     if isinstance(fmt, Int8):
         u = (stored["qweight"].to(torch.int16) + INT8_OFFSET).to(torch.uint8)
         return u, scales, torch.full(scales.shape, INT8_OFFSET, dtype=torch.uint8)

@@ -59,8 +59,9 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
     scale = torch.zeros(N, K // G)
     zero = torch.zeros(N, K // G)
     W[:, dead] = 0
+    rows = fmt.row_scales(W.reshape(N, K // G, G))  # int4k's scales of scales: from the original weights
     if act_order:  # static groups: every group's grid from the original weights, fixed up front
-        scale[:], zero[:] = params(W.reshape(N, K // G, G))  # (N, groups)
+        scale[:], zero[:] = params(W.reshape(N, K // G, G), rows)  # (N, groups)
     W = W[:, perm]
 
     Q = torch.zeros_like(W)  # integer codes, in permuted column order
@@ -73,7 +74,7 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
             g = col // G
             if not act_order and col % G == 0:  # a new group: its grid from the current weights
                 group = W1[:, i:i + G] if G <= BLOCK else W[:, i1 + i:i1 + i + G]
-                scale[:, g], zero[:, g] = params(group)
+                scale[:, g], zero[:, g] = params(group, rows)
             w, d = W1[:, i], Hinv1[i, i]
             q = round_to_grid(w, scale[:, g], zero[:, g], lo, hi)
             Q[:, i1 + i] = q
@@ -84,4 +85,4 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
     del W
     codes_orig = torch.empty_like(Q)
     codes_orig[:, perm] = Q  # back to the original column order
-    return fmt.encode(codes_orig, scale, zero)
+    return fmt.encode(codes_orig, scale, zero, rows)

@@ -9,7 +9,8 @@ typedef struct {  /* one product, as native.Product holds it */
     int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni) */
     int int4;  /* kind 3: int4 weights (else int8) */
     const void *w;
-    const uint16_t *scales;
+    const void *scales;  /* fp16, or int4k's uint8 codes under row_scales */
+    const uint16_t *row_scales;  /* int4k: fp16 [N]; else NULL */
     const uint8_t *zeros;
     long G, N, K;
     const float *bias;
@@ -26,9 +27,10 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
     switch (p->kind) {
     case 0: qlite_gemv_bf16(x, M, p->w, p->N, p->K, p->bias, y, 1, threads); break;
     case 1: qlite_gemv_int8(x, M, p->w, p->scales, p->G, p->N, p->K, p->bias, y, 1, threads); break;
-    case 2: qlite_gemv_int4(x, M, p->w, p->scales, p->zeros, p->G, p->N, p->K, p->bias, y, 1, threads); break;
+    case 2: qlite_gemv_int4(x, M, p->w, p->scales, p->row_scales, p->zeros, p->G, p->N, p->K, p->bias, y, 1, threads); break;
 #ifdef INTEGER_PRODUCTS
-    case 3: qlite_gemv_vnni(x, M, p->w, p->scales, p->zeros, p->int4, p->G, p->N, p->K, p->bias, y, 1, threads); break;
+    case 3: qlite_gemv_vnni(x, M, p->w, p->scales, p->row_scales, p->zeros, p->int4, p->G, p->N, p->K, p->bias, y, 1,
+                            threads); break;
 #endif
     }
 }

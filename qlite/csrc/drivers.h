@@ -44,3 +44,22 @@ static inline void block_scales(const uint16_t *scales, const uint8_t *zeros, lo
             sz[r][g] = zeros ? sw[r][g] * (float)zeros[r * G + g] : 0.f;
         }
 }
+
+/* int4's group scales [nrows, G] of the rows n.. of a block: the fp16 scales [N, G] themselves, or, with
+ * row_scales (int4k), scales' uint8 codes c [N, G] made into fp16(d * c), d the row's fp16 scale, in `room`
+ * (formats.coded_scale: the same fp32 product, rounded to nearest even). */
+static inline const uint16_t *block_fp16_scales(const void *scales, const uint16_t *row_scales, long n, long G,
+                                                int nrows, uint16_t *room) {
+    if (!row_scales) return (const uint16_t *)scales + n * G;
+    const uint8_t *codes = (const uint8_t *)scales + n * G;
+    for (int r = 0; r < nrows; r++) {
+        float d = _cvtsh_ss(row_scales[n + r]);
+        long g = 0;
+        for (; g + 8 <= G; g += 8) {
+            __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + r * G + g))));
+            _mm_storeu_si128((__m128i *)(room + r * G + g), _mm256_cvtps_ph(_mm256_mul_ps(_mm256_set1_ps(d), c), _MM_FROUND_TO_NEAREST_INT));
+        }
+        for (; g < G; g++) room[r * G + g] = _cvtss_sh(d * (float)codes[r * G + g], _MM_FROUND_TO_NEAREST_INT);
+    }
+    return room;
+}

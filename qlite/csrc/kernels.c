@@ -8,6 +8,8 @@
  *   int4:  w uint8 [N, K/2] (k even: low nibble), scales fp16 [N, G], zeros uint8 [N, G]
  *          w = (q - z) * s; a nibble q becomes the bf16 number 128 + q by OR-ing in 0x4300, so a
  *          group's dot product is sum (128 + q) x - (128 + z) sum x (each product exact in fp32).
+ *   int4k: as int4, but scales are uint8 codes c under row_scales fp16 [N]: each block of rows' fp16 scales
+ *          fp16(d c) are made first (drivers.h's block_fp16_scales), then the int4 code runs on them.
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
  * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers (below).
@@ -117,8 +119,8 @@ static inline __attribute__((always_inline)) void int4_rows(
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]) - _mm512_reduce_add_ps(corr[r]);
 }
 
-void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t *scales, const uint8_t *zeros,
-                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
     long half = K / 2, gsize = K / G;
     uint16_t *xe = malloc(sizeof(uint16_t) * M * K);  /* (M, 2, K/2): even then odd activations */
     float *xsum = malloc(sizeof(float) * M * G);
@@ -136,10 +138,12 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        uint16_t room[ROWS * MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
         for (long m = 0; m < M; m++) {
             float out[ROWS];
-            if (nrows == ROWS) int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, scales + n * G, zeros + n * G,
-                      K, G, ROWS, out); else int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, scales + n * G, zeros + n * G,
+            if (nrows == ROWS) int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, sn, zeros + n * G,
+                      K, G, ROWS, out); else int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, sn, zeros + n * G,
                       K, G, nrows, out);
             for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
         }
@@ -303,9 +307,11 @@ static inline __attribute__((always_inline)) void vnni_rows(
         }
 }
 
-/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] */
-void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *scales, const uint8_t *zeros, int int4,
-                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] (int4k: uint8
+ * codes under row_scales fp16 [N], block_fp16_scales; else row_scales NULL) */
+void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                     int threads) {
     long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
     int small = G > C;  /* groups of 32 or 64 (native.py checks) */
     void *xq = malloc(xbytes * M * K);
@@ -314,9 +320,11 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        uint16_t room[ROWS * MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
         const void *wn = (const uint8_t *)w + n * wbytes;
         float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
-        block_scales(scales + n * G, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
+        block_scales(sn, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
         for (long m0 = 0; m0 < M; m0 += XTILE) {
             int mrows = M - m0 < XTILE ? (int)(M - m0) : XTILE;
             float out[ROWS * XTILE];
@@ -324,13 +332,13 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
             const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
             /* constant arguments for the common shapes: the compiler specialises each */
             #define VNNI_ROWS(NR, MR) do { \
-                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 1, 1, NR, MR, out); \
-                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 1, 0, NR, MR, out); \
-                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 0, 1, NR, MR, out); \
-                else vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, 0, 0, NR, MR, out); } while (0)
+                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 1, 1, NR, MR, out); \
+                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 1, 0, NR, MR, out); \
+                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 1, NR, MR, out); \
+                else vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 0, NR, MR, out); } while (0)
             if (nrows == ROWS && mrows == XTILE) VNNI_ROWS(ROWS, XTILE);
             else if (nrows == ROWS && mrows == 1) VNNI_ROWS(ROWS, 1);
-            else vnni_rows(xm, xsm, xsumm, K, G, wn, scales + n * G, sw, sz, int4, small, nrows, mrows, out);
+            else vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, int4, small, nrows, mrows, out);
             #undef VNNI_ROWS
             for (int r = 0; r < nrows; r++)
                 for (int m = 0; m < mrows; m++)
@@ -358,17 +366,19 @@ void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long
         }
 }
 
-void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, long G, long N, long K,
-                           uint16_t *out, int threads) {
+void qlite_dequantize_int4(const uint8_t *w, const void *scales, const uint16_t *row_scales, const uint8_t *zeros,
+                           long G, long N, long K, uint16_t *out, int threads) {
     long gsize = K / G;
     const __m512i low = _mm512_set1_epi32(0x0f);
     const __m512i idx_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i idx_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
+    for (long n = 0; n < N; n++) {
+        uint16_t room[MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, 1, room);
         for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
             long g = n * G + k / gsize;
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[g])), z = _mm512_set1_ps((float)zeros[g]);
+            __m512 s = _mm512_set1_ps(_cvtsh_ss(sn[k / gsize])), z = _mm512_set1_ps((float)zeros[g]);
             __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2)));
             __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));  /* k even */
             __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));  /* k odd */
@@ -377,6 +387,7 @@ void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8
             __m512 v0 = _mm512_permutex2var_ps(a, idx_lo, b), v1 = _mm512_permutex2var_ps(a, idx_hi, b);
             _mm512_storeu_si512(out + n * K + k, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
         }
+    }
 }
 
 /* ---- the small ops of a decode step -------------------------------------------------------- */

@@ -115,8 +115,8 @@ static inline __attribute__((always_inline)) void int4_rows(
     for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]) - corr[r];
 }
 
-void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t *scales, const uint8_t *zeros,
-                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
     long half = K / 2, gsize = K / G;
     float *xe = malloc(sizeof(float) * M * K);  /* (M, 2, K/2): even then odd activations */
     float *xsum = malloc(sizeof(float) * M * G);
@@ -134,11 +134,13 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const uint16_t
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        uint16_t room[ROWS * MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
         for (long m = 0; m < M; m++) {
             float out[ROWS];
             const float *xm = xe + m * K, *sm = xsum + m * G;
-            if (nrows == ROWS) int4_rows(xm, xm + half, sm, w + n * half, scales + n * G, zeros + n * G, K, G, ROWS, out);
-            else int4_rows(xm, xm + half, sm, w + n * half, scales + n * G, zeros + n * G, K, G, nrows, out);
+            if (nrows == ROWS) int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, ROWS, out);
+            else int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, nrows, out);
             for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
         }
     }
@@ -280,9 +282,11 @@ static inline __attribute__((always_inline)) void int_rows(
         }
 }
 
-/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] */
-void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *scales, const uint8_t *zeros, int int4,
-                     long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] (int4k: uint8
+ * codes under row_scales fp16 [N], block_fp16_scales; else row_scales NULL) */
+void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                     int threads) {
     long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
     int small = G > C;  /* groups of 32 or 64 (native.py checks) */
     void *xq = malloc(xbytes * M * K);
@@ -291,9 +295,11 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const uint16_t *s
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        uint16_t room[ROWS * MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
         const void *wn = (const uint8_t *)w + n * wbytes;
         float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
-        block_scales(scales + n * G, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
+        block_scales(sn, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
         for (long m0 = 0; m0 < M; m0 += XT) {
             int mrows = M - m0 < XT ? (int)(M - m0) : XT;
             float out[ROWS][XT];
@@ -329,15 +335,17 @@ void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long
             store_bf16(out + n * K + k, _mm256_mul_ps(load_int8(w + n * K + k), _mm256_set1_ps(_cvtsh_ss(scales[n * G + k / gsize]))));
 }
 
-void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8_t *zeros, long G, long N, long K,
-                           uint16_t *out, int threads) {
+void qlite_dequantize_int4(const uint8_t *w, const void *scales, const uint16_t *row_scales, const uint8_t *zeros,
+                           long G, long N, long K, uint16_t *out, int threads) {
     long gsize = K / G;
     const __m128i low = _mm_set1_epi8(0x0f);
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
+    for (long n = 0; n < N; n++) {
+        uint16_t room[MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, 1, room);
         for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
             long g = n * G + k / gsize;
-            __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[g])), z = _mm256_set1_ps((float)zeros[g]);
+            __m256 s = _mm256_set1_ps(_cvtsh_ss(sn[k / gsize])), z = _mm256_set1_ps((float)zeros[g]);
             __m128i b = _mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2));
             __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
             __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  /* k order */
@@ -347,6 +355,7 @@ void qlite_dequantize_int4(const uint8_t *w, const uint16_t *scales, const uint8
                 store_bf16(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
             }
         }
+    }
 }
 /* ---- the small ops of a decode step (kernels.c's, 8 floats a vector) ---------------------------- */
 static inline __m256 exp256(__m256 x) {  /* e^x, relative error ~1e-7; 0 below -87, finite (not inf) above 88 */

@@ -5,10 +5,12 @@ import torch
 
 from qlite.fidelity import sqnr_db
 from qlite.errors import QliteError
-from qlite.formats import REGISTRY, Int4, Int8, format_for_fields, format_named, pack_int4, unpack_int4
+from qlite.formats import (REGISTRY, Int4, Int4K, Int8, coded_scale, format_for_fields, format_named, pack_int4,
+                           unpack_int4)
 
 # one of each family, and the int variants the kernels care about
-FORMAT_NAMES = ["int8", "int8-g128", "int4-g32", "int4-g64", "int4-g128", "int4-g128-sym", "nf4-b64", "llm.int8"]
+FORMAT_NAMES = ["int8", "int8-g128", "int4-g32", "int4-g64", "int4-g128", "int4-g128-sym", "int4k-g32", "int4k-g64",
+                "nf4-b64", "llm.int8"]
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (16, 2), (7, 33), (4, 256)])
@@ -51,8 +53,8 @@ def test_stored_tensors_match_the_declared_layout_and_name(name):
 # Floors set a little under what random Gaussian weights measure (int8 42.1 dB per channel,
 # int4 asymmetric 21.8 / 20.8 / 19.9 dB at g32 / g64 / g128, symmetric g128 19.1 dB).
 @pytest.mark.parametrize("name, floor", [("int8", 40.0), ("int8-g128", 42.0), ("int4-g32", 21.0), ("int4-g64", 20.0),
-                                         ("int4-g128", 19.0), ("int4-g128-sym", 18.5), ("nf4-b64", 19.0),
-                                         ("llm.int8", 40.0)])
+                                         ("int4-g128", 19.0), ("int4-g128-sym", 18.5), ("int4k-g32", 21.0),
+                                         ("int4k-g64", 20.0), ("nf4-b64", 19.0), ("llm.int8", 40.0)])
 def test_sqnr(name, floor):
     fmt, w = format_named(name), weights()
     assert sqnr_db(w, fmt.dequantize(fmt.quantize(w), w.shape[1])) >= floor
@@ -82,7 +84,7 @@ def test_degenerate_groups_survive():
     assert torch.isfinite(Int8().dequantize(stored, 64)).all() and (stored["scales"] > 0).all()
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int8", "nf4-b64"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4k-g32", "int8", "nf4-b64"])
 def test_chunked_quantization_equals_whole(name, monkeypatch):
     fmt, w = format_named(name), weights(1000, 256)
     whole = fmt.quantize(w)
@@ -103,7 +105,31 @@ def test_nf4_dequantization_matches_bitsandbytes():
 def test_format_table_bits_per_weight():
     assert Int8().bits_per_weight(896) == pytest.approx(8 + 16 / 896)
     assert Int4(128).bits_per_weight(896) == pytest.approx(4 + 24 / 128)
+    assert Int4K(32).bits_per_weight(896) == pytest.approx(4 + 16 / 32 + 16 / 896)  # int4-g32: 4 + 24 / 32
+    assert Int4K(64).bits_per_weight(896) == pytest.approx(4 + 16 / 64 + 16 / 896)
     assert format_named("nf4-b64").bits_per_weight(896) == pytest.approx(4 + 32 / 64)
+
+
+def test_int4k_costs_nothing_measurable_against_fp16_scales():
+    """Rows whose groups span three decades: 8-bit codes under the row's scale keep int4's error (within
+    0.05 dB), every code in 1..255, every group's range inside its grid (no clipping: the error of every
+    weight at most half a step, plus the fp16 rounding of the scale), and the stored form is exactly
+    (q - z) * fp16(d * c)."""
+    w = weights(64, 1024) * torch.logspace(-3, 0, 32).repeat_interleave(32)[None, :]  # (64, 1024)
+    w[3] = 0  # an all-zero row
+    k, plain = Int4K(32), Int4(32)
+    stored = k.quantize(w)
+    back = k.dequantize(stored, 1024)
+    assert sqnr_db(w, back) >= sqnr_db(w, plain.dequantize(plain.quantize(w), 1024)) - 0.05
+    assert stored["scales"].min() >= 1 and stored["scales"].max() <= 255 and stored["zeros"].max() <= 15
+    step = k.group_scales(stored)  # (64, 32)
+    assert ((w - back).abs().reshape(64, 32, 32) <= step[..., None] * (0.5 + 2 ** -10)).all()
+    codes = unpack_int4(stored["qweight"], 1024).float().reshape(64, 32, 32)
+    want = (codes - stored["zeros"].float()[..., None]) * coded_scale(stored["row_scales"].float(),
+                                                                       stored["scales"].float())[..., None]
+    assert torch.equal(back, want.reshape(64, 1024)) and not back[3].any()
+    with pytest.raises(QliteError, match="asymmetric"):
+        format_for_fields("intk", 4, 32, True)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -29,9 +29,10 @@ def ckpts(tmp_path_factory):
     out = {"bf16": src}
     for name, bits, group in (("int8", 8, None), ("int4", 4, 64), ("int4-g128", 4, 128)):
         out[name] = convert(src, src.parent / name, bits=bits, group_size=group, progress=False, report=False).out_dir
-    # q_proj and gate_proj apart from k/v and up (SplitLinear), down_proj of layer 1 16-bit
+    # q_proj and gate_proj apart from k/v and up (SplitLinear), down_proj of layer 1 16-bit, int4k (coded scales)
     mixed = (("model.layers.0.self_attn.q_proj", format_named("int8")), ("model.layers.1.mlp.gate_proj", format_named("int8")),
-             ("model.layers.1.mlp.down_proj", None))
+             ("model.layers.1.mlp.down_proj", None), ("model.layers.0.mlp.down_proj", format_named("int4k-g64")),
+             ("model.layers.1.self_attn.o_proj", format_named("int4k-g128")))
     qconfig = QuantConfig(format_named("int4-g64"), format_named("int8"), embeddings=None, module_formats=mixed)
     out["mix"] = convert(src, src.parent / "mix", qconfig, progress=False, report=False).out_dir
     return out

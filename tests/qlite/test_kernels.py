@@ -5,12 +5,12 @@ import torch
 from qlite import native
 from qlite.backends import BACKENDS, choose_kernel
 from qlite.errors import QliteError
-from qlite.formats import Int4, Int8, format_named
+from qlite.formats import Int4, Int4K, Int8, format_named
 from qlite.kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeInt4, NativeInt8, Reference, VnniInt4,
                            VnniInt8, row_bucket)
 from qlite.qlinear import QuantLinear
 
-FORMATS = [Int8(), Int8(32), Int4(128), Int4(64, True), Int4(32)]
+FORMATS = [Int8(), Int8(32), Int4(128), Int4(64, True), Int4(32), Int4K(64), Int4K(32)]
 
 
 def make_layer(n, k, fmt, bias=True, seed=0):
@@ -120,7 +120,7 @@ def test_grouped_int8_runs_native_or_reference_and_aten_refuses_it():
 
 
 def test_every_format_has_a_kernel_in_auto_and_reference_takes_all():
-    for name in ("int8", "int8-g64", "int4-g32", "int4-g128-sym", "nf4-b64", "llm.int8"):
+    for name in ("int8", "int8-g64", "int4-g32", "int4-g128-sym", "int4k-g32", "nf4-b64", "llm.int8"):
         layer = make_layer(16, 128, format_named(name))
         assert choose_kernel(layer, "auto") is not None and choose_kernel(layer, "reference") is Reference
     assert BACKENDS["reference"].dense == ()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from qlite import native
 from qlite.errors import QliteError
 from qlite.loader import load_model
-from qlite.formats import Int4, Int8
+from qlite.formats import Int4, Int4K, Int8
 from qlite.model import apply_rope
 from qlite.qlinear import QuantLinear
 from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
@@ -180,6 +180,30 @@ def test_dequantize_to_bf16_is_exact():
     assert torch.equal(native.dequantize_int8(*int8.values()), Int8(64).dequantize(int8, 256).bfloat16())
     int4 = Int4(64).quantize(w)
     assert torch.equal(native.dequantize_int4(*int4.values()), Int4(64).dequantize(int4, 256).bfloat16())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows, n", [(1, 37), (5, 64)])
+def test_int4k_products_are_the_int4_products_on_its_coded_scales(group_size, rows, n):
+    """int4k's kernels make each group's fp16 scale from its code and row scale as formats.coded_scale
+    does: every product is bitwise the int4 one given those fp16 scales (each tested above)."""
+    fmt, K = Int4K(group_size), 384
+    w = torch.randn(n, K, generator=gen(0)) * torch.logspace(-3, 0, n)[:, None]  # rows of very different ranges
+    stored = fmt.quantize(w)
+    q, codes, z, d = stored["qweight"], stored["scales"], stored["zeros"], stored["row_scales"]
+    fp16 = fmt.group_scales(stored).half()
+    x = torch.randn(rows, K, generator=gen(1)).bfloat16()
+    b = torch.randn(n, generator=gen(2))
+    assert torch.equal(native.dequantize_int4(q, codes, z, d), native.dequantize_int4(q, fp16, z))
+    assert torch.equal(native.dequantize_int4(q, codes, z, d), fmt.dequantize(stored, K).bfloat16())
+    if group_size % 64 == 0:
+        assert torch.equal(native.gemv_int4(x, q, codes, z, b, d), native.gemv_int4(x, q, fp16, z, b))
+    if native.vnni_ready():
+        assert torch.equal(native.gemv_vnni(x, q, codes, z, b, d), native.gemv_vnni(x, q, fp16, z, b))
+    with pytest.raises(ValueError, match="scales must be contiguous torch.uint8"):
+        native.gemv_int4(x, q, fp16, z, b, d)
+    with pytest.raises(ValueError, match="row_scales must be"):
+        native.dequantize_int4(q, codes, z, d[:-1])
 
 
 def assert_bf16_close(got, want):

@@ -132,3 +132,39 @@ def test_target_kld_flag_errors(untied, tmp_path, capsys, flags, message):
     assert main(["quantize", str(untied), "--out", str(tmp_path / "q"), *flags]) != 0
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+SLOW_SMALL_GROUPS = {"int4-g128": 1.0, "int4k-g64": 1.5, "int4k-g32": 1.8, "int8": 1.6, "int8-g32": 1.9, None: 3.0}
+
+
+def test_no_slower_than_prices_decode_time_into_the_mix(untied, monkeypatch):
+    """With costs that favour the bigger formats, the unconstrained mix decodes slower than int4-g128
+    would (estimated); with the time budget the mix meets it, within the same bytes, at some KLD."""
+    monkeypatch.setattr("quantize.budget.DECODE_PS", SLOW_SMALL_GROUPS)
+    mixer = Mixer(CheckpointDir(untied), ())
+    mixer.costs = {u: [0.0 if f is None else 1.0 / b for f, b in o] for u, o in mixer.options.items()}
+    reference = mixer.reference_seconds("int4-g128")
+    budget = mixer.bytes_for(6.0)
+    free, free_kld = mixer.mix(budget)
+    timed, timed_kld = mixer.mix(budget, reference)
+    assert mixer.decode_seconds(free) > reference >= mixer.decode_seconds(timed)
+    assert timed_kld >= free_kld and timed_kld == pytest.approx(mixer.kld(timed))
+    used = lambda formats: sum(b for u, o in mixer.options.items() for f, b in o if f == formats[mixer.modules[u][0]])
+    assert used(timed) <= budget and used(free) <= budget
+    fastest = sum(min(t) for t in mixer.seconds.values())
+    assert mixer.mix(budget, 0.99 * fastest) is None
+    with pytest.raises(QliteError, match="--no-slower-than nf4-b64: choose one of int4-g128"):
+        mixer.reference_seconds("nf4-b64")
+
+
+def test_no_slower_than_writes_a_mix_within_both_budgets(untied, tmp_path, capsys):
+    s = budget_convert(untied, tmp_path / "t", target_bpw=6.0, windows=4, seqlen=64, samples=2, progress=False,
+                       report=False, no_slower_than="int4-g128")
+    q = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
+    assert q["no_slower_than"] == "int4-g128" and q["predicted_decode_ms"] <= q["reference_decode_ms"]
+    assert written_bits_per_parameter(untied, s.out_dir) <= 6.0
+    for flags, message in ((["--no-slower-than", "int4-g128"], "--no-slower-than: goes with --target-bpw"),
+                           (["--target-bpw", "6", "--no-slower-than", "int4-g7"], "--no-slower-than int4-g7: choose one of")):
+        assert main(["quantize", str(untied), "--out", str(tmp_path / "q"), *flags]) != 0
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "q").exists()

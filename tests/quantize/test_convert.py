@@ -78,7 +78,7 @@ def dequantized_twin(quantized_dir: Path, src_dir: Path):
 
 @pytest.mark.parametrize("bits, group, sym, head, scheme", [
     (8, None, True, 8, "int"), (4, 64, False, 8, "int"), (4, 32, True, 4, "int"), (4, 64, False, 16, "int"),
-    (8, 64, True, 16, "int"), (4, 64, True, 16, "nf4"), (8, None, True, 16, "llm.int8")])
+    (8, 64, True, 16, "int"), (4, 32, False, 8, "intk"), (4, 64, True, 16, "nf4"), (8, None, True, 16, "llm.int8")])
 def test_quantized_model_equals_its_dequantized_twin(src, tmp_path, bits, group, sym, head, scheme):
     out = convert(src, tmp_path / "q", bits=bits, group_size=group, symmetric=sym, lm_head_bits=head,
                   scheme=scheme, progress=False).out_dir
@@ -211,12 +211,28 @@ def run_cli(capsys, *args):
     (["--group-size", "0"], "--group-size': 0 is not >= 1"),
     (["--group-size", "100"], "--group-size: group size 100 does not divide"),
     (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
+    (["--format", "intk", "--bits", "8"], "bits 8: intk has 4 bits"),
+    (["--format", "intk", "--symmetric"], "int4k is asymmetric only"),
 ])
 def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):
     before = dir_digest(src)
     code, err = run_cli(capsys, "quantize", src, "--out", tmp_path / "dst", *args)
     assert code != 0 and len(err.strip().splitlines()) == 1 and message in err
     assert dir_digest(src) == before and list(tmp_path.iterdir()) == []
+
+
+def test_int4k_from_the_cli(capsys, src, tmp_path):
+    """--format intk: int4 groups of 32 (its default) with 8-bit scales, int8 lm_head and table as int's."""
+    import shutil
+    local = tmp_path / "ckpt"
+    shutil.copytree(src, local)
+    assert main(["quantize", str(local), "--format", "intk", "--no-report"]) == 0
+    out = tmp_path / "ckpt-int4k-g32"
+    assert main(["info", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "rtn int4k-g32, lm_head int8" in printed and "recipe         int4k-g32 x 14, int8 x 2" in printed
+    assert "decoder linears 4.617 bits per weight" in printed  # 4 + 16 / 32 + a row scale over these narrow rows
+    assert main(["generate", "-m", str(out), "-p", "the thin", "--max-new-tokens", "3"]) == 0
 
 
 def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from qlite.formats import Int4, Int8
+from qlite.formats import Int4, Int4K, Int8
 from quantize.gptq import gptq_linear, hessian_update
 
-FORMATS = [Int4(32), Int4(128, True), Int8(), Int4(256)]
+FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int4(256)]
 
 
 def dequantized(stored, fmt, n, k):
@@ -30,7 +30,7 @@ def correlated_inputs(n, k, seed=1):
     return (torch.randn(n, k, generator=g) @ mix) * scales
 
 
-@pytest.mark.parametrize("fmt", FORMATS[:3], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS[:4], ids=lambda f: f.name)
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_output_error_is_lower_than_rtn(fmt, act_order):
     n_out, k = 64, 256

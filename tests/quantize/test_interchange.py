@@ -18,6 +18,7 @@ from qlite.errors import QliteError
 from qlite.formats import Int4, Int8, format_named
 from qlite.loader import load_model
 from qlite.qconfig import QuantConfig
+from qlite.qlinear import QuantLinear
 from quantize import foreign
 from quantize.convert import convert
 from quantize.interchange import export_checkpoint, import_checkpoint
@@ -177,6 +178,22 @@ def test_export_import_round_trip(quantized, tmp_path, name, to):
         assert set(back) == set(ours)
     qkv = [f"model.layers.0.self_attn.{p}_proj.qweight" for p in "qkv"]
     assert CheckpointDir(tmp_path / "back").mapped(qkv) is not None  # written for the loader: back to back
+
+
+@pytest.mark.parametrize("to", ["compressed-tensors", "gptq"])
+def test_int4k_exports_as_the_int4_weights_it_stands_for(src, tmp_path, to):
+    """int4k's 8-bit scale codes become the fp16 scales they make: imported back, an int4-g32 checkpoint
+    whose every dequantized weight is the int4k one's."""
+    q = convert(src, tmp_path / "k", scheme="intk", bits=4, group_size=32, embed_bits=16, progress=False,
+                report=False).out_dir
+    assert main(["export", str(q), "--to", to, "--out", str(tmp_path / "x")]) == 0
+    assert main(["import", str(tmp_path / "x"), "--out", str(tmp_path / "back")]) == 0
+    ours, back = load_model(q, dtype="float32", kernel="reference"), load_model(tmp_path / "back", dtype="float32",
+                                                                              kernel="reference")
+    theirs = dict(back.named_modules())
+    for name, mod in ours.named_modules():
+        if isinstance(mod, QuantLinear) and name != "lm_head":
+            assert theirs[name].fmt.name == "int4-g32" and torch.equal(theirs[name].dequantize(), mod.dequantize()), name
 
 
 def test_act_order_gptq_import_runs_and_round_trips(quantized, tmp_path):
@@ -446,7 +463,8 @@ def test_a_mix_of_formats_exports_per_module(src, tmp_path):
     from gguf.quants import dequantize
 
     mixed = (("model.layers.0.mlp.down_proj", format_named("int8")), ("model.layers.1.mlp.down_proj", None),
-             ("model.layers.1.self_attn.o_proj", format_named("int8-g32")))
+             ("model.layers.1.self_attn.o_proj", format_named("int8-g32")),
+             ("model.layers.0.self_attn.o_proj", format_named("int4k-g32")))  # its coded scales export as fp16 ones
     qconfig = QuantConfig(format_named("int4-g64"), format_named("int8"), embeddings=None, module_formats=mixed)
     q = convert(src, tmp_path / "mix", qconfig, progress=False, report=False).out_dir
     stored, widths = CheckpointDir(q), CheckpointDir(src).tensors
@@ -460,6 +478,7 @@ def test_a_mix_of_formats_exports_per_module(src, tmp_path):
     groups = {tuple(g["targets"]): g["weights"] for g in config["config_groups"].values()}
     assert groups[("model.layers.0.mlp.down_proj",)]["strategy"] == "channel"
     assert groups[("model.layers.1.self_attn.o_proj",)]["group_size"] == 32
+    assert groups[("model.layers.0.self_attn.o_proj",)]["group_size"] == 32
     assert "model.layers.1.mlp.down_proj" in config["ignore"]
     t = load_file(tmp_path / "ct" / "model.safetensors")
     for targets, weights in groups.items():
@@ -472,10 +491,11 @@ def test_a_mix_of_formats_exports_per_module(src, tmp_path):
     blocks = {r.name: r for r in GGUFReader(tmp_path / "m.gguf").tensors}
     for name, module in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"),
                          ("blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj"),
-                         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj")):
+                         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj"),
+                         ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj")):
         r = blocks[name]
         w = dequantize(r.data, r.tensor_type).reshape(tuple(int(d) for d in reversed(r.shape)))
-        exact = "up" not in name  # int8 -> Q8_0 is exact; asymmetric int4 -> Q4_1 stores -zero * scale in fp16
+        exact = "up" not in name and name != "blk.0.attn_output.weight"  # int8 -> Q8_0 is exact; asymmetric int4 -> Q4_1 stores -zero * scale in fp16
         assert np.abs(w - dequantized(module).numpy()).max() <= (0 if exact else 2.5e-4), (name, np.abs(w - dequantized(module).numpy()).max())
     assert blocks["blk.1.ffn_down.weight"].tensor_type.name in ("BF16", "F16", "F32")
     with pytest.raises(QliteError, match="a mix of formats .* a GPTQ config holds one"):
