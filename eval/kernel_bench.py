@@ -142,7 +142,8 @@ def time_steps(model_dir, calls: int) -> None:
 
 AGAINST = [  # (product, format, N, K): the products a decode step of the demo's checkpoints and mixes runs
     ("integer x", Int4(128), 9728, 896), ("integer x", Int4(128), 896, 4864), ("integer x", Int4(32), 9728, 896),
-    ("integer x", Int4(64), 9728, 896), ("integer x", Int8(32), 9728, 896), ("integer x", Int8(None), 151936, 896),
+    ("integer x", Int4(64), 9728, 896), ("integer x", Int4K(32), 9728, 896), ("integer x", Int4K(64), 9728, 896),
+    ("integer x", Int8(32), 9728, 896), ("integer x", Int8(None), 151936, 896),
     ("bf16 x", Int4(128), 9728, 896), ("bf16 x", Int8(None), 151936, 896), ("bf16 x", None, 9728, 896),
 ]
 
@@ -201,46 +202,6 @@ def time_against(source: Path, calls: int) -> None:
               f"| {ratio:.2f} | {'yes' if same else 'no'} |", flush=True)
 
 
-def time_decode_costs(calls: int) -> None:
-    """Picoseconds per weight of each --target-bpw choice's one-row product as the native backend runs it
-    (the kernel choose_kernel picks), streamed from STREAM_BYTES of copies, on the demo's gate_up and
-    down_proj shapes: what quantize/budget.py's DECODE_PS holds."""
-    from qlite.backends import choose_kernel
-    from qlite.formats import format_named
-    from qlite.qlinear import QuantLinear
-    from quantize.budget import CANDIDATES
-    if native.library() is None:
-        raise click.ClickException("no native kernels here")
-    print(f"| choice ({native.isa()}) | weight | kernel | GB/s | ps per weight |")
-    print("|---|---|---|---|---|")
-    for name in (*CANDIDATES, None):
-        fmt = None if name is None else format_named(name)
-        for N, K in ((9728, 896), (896, 4864)):
-            weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
-            if fmt is None:
-                stored, kernel = {"weight": weight.bfloat16()}, "native-bf16"
-                make = lambda c: native.bf16_product(c["weight"], None)
-            else:
-                layer = QuantLinear(K, N, False, fmt)
-                stored = fmt.quantize(weight)
-                for k, t in stored.items():
-                    setattr(layer, k, t)
-                cls = choose_kernel(layer, "native")
-                kernel = cls.name
-
-                def make(c, cls=cls):
-                    for k, t in c.items():
-                        setattr(layer, k, t)
-                    return cls(layer).product
-            nbytes = sum(t.numel() * t.element_size() for t in stored.values())
-            products = [make({k: t.clone() for k, t in stored.items()}) for _ in range(max(2, STREAM_BYTES // nbytes))]
-            x = torch.randn(1, K).bfloat16()
-            times = interleaved({"all": lambda: [p(x) for p in products]}, calls)["all"]
-            ms = statistics.median(times)
-            print(f"| {name or '16-bit'} | {N}x{K} | {kernel} | {nbytes * len(products) / (1e-3 * ms) / 1e9:.1f} "
-                  f"| {1e9 * ms / (N * K * len(products)):.2f} |", flush=True)
-
-
 @click.command()
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
@@ -249,13 +210,10 @@ def time_decode_costs(calls: int) -> None:
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
 @click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="time the products of this version of the kernel file against the current ones instead")
-@click.option("--decode-costs", is_flag=True, help="time each --target-bpw choice's one-row product, streamed, "
-              "instead (budget.DECODE_PS)")
-def main(rows, calls, threads, sampling, steps_dir, against, decode_costs):
+              help="time the products of this version of the kernel file against the current ones instead (its "
+              "headers come from its own directory first, then qlite's csrc: copy old headers beside it)")
+def main(rows, calls, threads, sampling, steps_dir, against):
     torch.set_num_threads(threads)
-    if decode_costs:
-        return time_decode_costs(calls)
     if sampling:
         return time_sampling(calls)
     if steps_dir:

@@ -44,11 +44,13 @@ from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, se
 
 CANDIDATES = ("int4-g128", "int4k-g64", "int4k-g32", "int8", "int8-g32")  # and 16-bit (None)
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
-# Picoseconds per weight of each choice's one-token product as the native backend runs it, streamed from
-# memory: `python -m eval.kernel_bench --decode-costs` on the project's AMD EPYC Zen 4 (AVX-512 VNNI, 2
-# threads), the median of the demo's gate_up and down_proj shapes. Only ratios matter (--no-slower-than
-# compares mixes with a reference model on the same table); on an AVX2 CPU the ratios differ somewhat.
-DECODE_PS = {"int4-g128": 15.7, "int4k-g64": 21.4, "int4k-g32": 26.2, "int8": 28.2, "int8-g32": 29.5, None: 49.2}
+# Picoseconds per weight of a decode step in each choice, from whole fused steps of single-format demo
+# checkpoints (`python -m eval.kernel_bench --steps DIR`, 2 rounds, the faster; AMD EPYC Zen 4, AVX-512
+# VNNI, 2 threads): the int8 model's step over all its weights (decoder and lm_head), each other decoder
+# format by its step's difference from the int8 one (lm_head int8 in all), 16-bit by the whole model's.
+# The step's fixed part (attention, norms) is spread over every weight alike, which cancels in the one use
+# of these numbers: comparing a mix with a reference model of the same weights. An AVX2 CPU's differ.
+DECODE_PS = {"int4-g128": 13.5, "int4k-g64": 16.2, "int4k-g32": 18.5, "int8": 18.2, "int8-g32": 20.5, None: 35.8}
 TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
 
 
