@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .errors import QliteError
-from .formats import Format, Int4, Int8, format_for_fields, format_named
+from .formats import Format, Int4, Int4K, Int8, format_for_fields, format_named
 
 FORMAT_VERSION = 1
 FORMAT_VERSION_INPUT_ORDER = 2  # written only when input_order is set
@@ -42,14 +42,16 @@ _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "gr
                "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order", "module_formats"}
 
 
-def table_format(bits: int, group_size: int | None, symmetric: bool, flag: str = "--lm-head-bits") -> Format | None:
-    """lm_head's format for --lm-head-bits, or the embeddings' for --embed-bits (see the module docstring)."""
+def table_format(bits: int, group_size: int | None, symmetric: bool, flag: str = "--lm-head-bits",
+                 int4: type[Int4] = Int4) -> Format | None:
+    """lm_head's format for --lm-head-bits, or the embeddings' for --embed-bits (see the module docstring);
+    4 bits: the decoder's int4 family (int4, or int4k with --format intk)."""
     if bits == 16:
         return None
     if bits == 8:
         return Int8(None)  # per output row: the fast int8 kernels
     if bits == 4:
-        return Int4.make(group_size or 128, symmetric)
+        return int4.make(group_size or 128, symmetric)
     raise QliteError(f"{flag} {bits}: choose 4, 8 or 16")
 
 
@@ -79,9 +81,10 @@ class QuantConfig:
         if embed_bits is None:
             embed_bits = 8 if ours else 16
         method = method if ours else "bnb"
-        return cls(linear, table_format(lm_head_bits, group_size, symmetric), method, LINEAR_KINDS,
+        int4 = Int4K if scheme == "intk" else Int4
+        return cls(linear, table_format(lm_head_bits, group_size, symmetric, int4=int4), method, LINEAR_KINDS,
                    tuple(skip), dict(params or {}), embeddings=table_format(embed_bits, group_size, symmetric,
-                                                                             "--embed-bits"))
+                                                                             "--embed-bits", int4))
 
     @classmethod
     def from_dict(cls, q: dict, source: str) -> "QuantConfig":

@@ -233,6 +233,10 @@ def test_int4k_from_the_cli(capsys, src, tmp_path):
     assert "rtn int4k-g32, lm_head int8" in printed and "recipe         int4k-g32 x 14, int8 x 2" in printed
     assert "decoder linears 4.617 bits per weight" in printed  # 4 + 16 / 32 + a row scale over these narrow rows
     assert main(["generate", "-m", str(out), "-p", "the thin", "--max-new-tokens", "3"]) == 0
+    assert main(["quantize", str(local), "--format", "intk", "--lm-head-bits", "4", "--embed-bits", "4",
+                 "--no-report", "--out", str(tmp_path / "k4")]) == 0
+    assert main(["info", str(tmp_path / "k4")]) == 0
+    assert "rtn int4k-g32, lm_head int4k-g32, embeddings int4k-g32" in capsys.readouterr().out  # the same family
 
 
 def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):
