@@ -97,7 +97,7 @@ class Mixer:
         # decode seconds of each option: weights read per token x DECODE_PS (a lookup reads one row: 0)
         weights = {u.name: 0 if u.name == EMBEDDINGS else sum(math.prod(i.shape) for i in unit_infos(src, u))
                    for u in self.units}
-        self.seconds = {u: [1e-12 * weights[u] * DECODE_PS.get(f and f.name, 0.0) for f, _ in o]
+        self.seconds = {u: [1e-12 * weights[u] * DECODE_PS[f and f.name] for f, _ in o]
                         for u, o in self.options.items()}
 
     def table(self, price: float = 0.0) -> tuple[list[str], list[list[tuple[int, float]]]]:
@@ -139,16 +139,22 @@ class Mixer:
         found = self._mix(budget, 0.0)
         if found is None or max_seconds is None or self.decode_seconds(found[0]) <= max_seconds:
             return found
-        low, high = 0.0, 1.0  # the price of a second in nats: raise until the time fits, then bisect
-        while (slow := self._mix(budget, high)) is None or self.decode_seconds(slow[0]) > max_seconds:
+        def fitting(price: float):  # the mix at this price of a second (in nats), if its step fits
+            found = self._mix(budget, price)
+            return found if found is not None and self.decode_seconds(found[0]) <= max_seconds else None
+
+        low, high = 0.0, 1.0  # raise the price until the time fits, then bisect
+        while (best := fitting(high)) is None:
             if high > 1e12:
                 return None
             low, high = high, high * 4
         for _ in range(40):
             mid = (low + high) / 2
-            found = self._mix(budget, mid)
-            low, high = (low, mid) if found and self.decode_seconds(found[0]) <= max_seconds else (mid, high)
-        return self._mix(budget, high)
+            if (found := fitting(mid)) is not None:
+                high, best = mid, found
+            else:
+                low = mid
+        return best
 
     def _mix(self, budget: int, price: float) -> tuple[dict[str, Format | None], float] | None:
         names, table = self.table(price)
