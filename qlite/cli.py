@@ -236,13 +236,16 @@ def info(model_dir):
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
 @click.option("--no-report", is_flag=True, help="skip measuring KLD / top-1 / PPL ratio against SRC on the built-in "
               "text for quantization_report.json (the recipe and sizes are written either way)")
-@click.option("--method", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
-              help="round to nearest, or GPTQ calibrated one decoder layer at a time")
-@click.option("--calib-data", default="builtin", show_default=True, help="GPTQ: builtin (code + prose) or a text file")
-@click.option("--nsamples", type=at_least(1), default=128, show_default=True, help="GPTQ: calibration windows")
-@click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="GPTQ: tokens per window")
+@click.option("--method", type=click.Choice(["rtn", "act-rtn", "gptq"]), default="rtn", show_default=True,
+              help="rtn: round to nearest on min-max grids; act-rtn: round to nearest on activation-aware grids (each "
+              "int4 group's scale and zero point with the least output error on calibration text); gptq: GPTQ on "
+              "those grids. act-rtn and gptq are calibrated one decoder layer at a time (minutes)")
+@click.option("--calib-data", default="builtin", show_default=True, help="act-rtn, GPTQ: builtin (code + prose) or a text file")
+@click.option("--nsamples", type=at_least(1), default=128, show_default=True, help="act-rtn, GPTQ: calibration windows")
+@click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="act-rtn, GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
-@click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True, help="GPTQ: dampening, share of mean diag(H)")
+@click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.01, show_default=True,
+              help="act-rtn, GPTQ: dampening, share of mean diag(H)")
 @click.option("--target-bpw", type=Number(float, 0, low_open=True, rule="> 0"),
               help="choose a format for every tensor (int4-g128, int4k-g64/g32, int8, int8-g32, 16-bit) by its "
               "measured sensitivity: the least-KLD mix whose tensors take at most this many bits per parameter (minutes)")
@@ -263,12 +266,12 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
         raise QliteError("--no-slower-than: goes with --target-bpw")
     if target_bpw is not None or target_kld is not None:
         flag = "--target-bpw" if target_bpw is not None else "--target-kld"
-        given = flags_beside_target(ctx, by_kld=target_bpw is None, gptq=method == "gptq", no_report=no_report)
+        given = flags_beside_target(ctx, by_kld=target_bpw is None, calibrated=method != "rtn", no_report=no_report)
         if given:
             raise QliteError(f"{flag} chooses every tensor's format; drop {', '.join(given)}")
         from quantize.budget import budget_convert, kld_convert
-        gptq = dict(calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order, damp=damp)
-        summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, gptq=gptq if method == "gptq" else None,
+        calibration = dict(calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order, damp=damp)
+        summary = (budget_convert(src, out, target_bpw=target_bpw, skip=skips, method=method, calibration=calibration,
                                   no_slower_than=no_slower_than, **writing) if target_bpw is not None
                    else kld_convert(src, out, target_kld=target_kld, skip=skips, force=force,
                                     max_shard_bytes=writing["max_shard_bytes"]))
@@ -281,23 +284,23 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
                    else scheme, skip=skips,
                    lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
                    embed_bits=int(embed_bits) if embed_bits else None)
-    if method == "gptq":
-        from quantize.calibrate import gptq_convert
-        summary = gptq_convert(src, out, calib=calib_data, nsamples=nsamples, seqlen=seqlen, act_order=act_order,
-                               damp=damp, **formats, **writing)
+    if method != "rtn":
+        from quantize.calibrate import calibrated_convert
+        summary = calibrated_convert(src, out, method=method, calib=calib_data, nsamples=nsamples, seqlen=seqlen,
+                                     act_order=act_order, damp=damp, **formats, **writing)
     else:
         from quantize.convert import convert
         summary = convert(src, out, **formats, **writing)
     click.echo(str(summary))
 
 
-def flags_beside_target(ctx, by_kld: bool, gptq: bool, no_report: bool) -> list[str]:
+def flags_beside_target(ctx, by_kld: bool, calibrated: bool, no_report: bool) -> list[str]:
     """The flags given with --target-bpw / --target-kld that they cannot take: those that choose
-    formats; for --target-bpw, --target-kld and GPTQ's flags without --method gptq; for --target-kld,
-    GPTQ and --no-report (the report's measurement is what it aims at)."""
-    gptq_flags = ("calib_data", "nsamples", "seqlen", "act_order", "damp")
+    formats; for --target-bpw, --target-kld and the calibration flags without a calibrated --method;
+    for --target-kld, a calibrated method and --no-report (the report's measurement is what it aims at)."""
+    calibration_flags = ("calib_data", "nsamples", "seqlen", "act_order", "damp")
     names = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits") + (
-        ("method",) + gptq_flags if by_kld else ("target_kld",) + (() if gptq else gptq_flags))
+        ("method",) + calibration_flags if by_kld else ("target_kld",) + (() if calibrated else calibration_flags))
     given = [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in names
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     return given + (["--no-report"] if by_kld and no_report else [])

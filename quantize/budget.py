@@ -225,10 +225,10 @@ def positive(value, flag: str, what: str) -> None:
 def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float, skip: tuple[str, ...] = (),
                    windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, force: bool = False,
                    max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
-                   gptq: dict | None = None, no_slower_than: str | None = None) -> Summary:
+                   method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
-    module docstring); returns the converter's Summary. gptq: quantize the mix with GPTQ instead of
-    round to nearest, with these gptq_convert settings (calib, nsamples, seqlen, act_order, damp).
+    module docstring); returns the converter's Summary. method: rtn, or a calibrated one (gptq, act-rtn) with
+    these calibrated_convert settings (calib, nsamples, seqlen, act_order, damp).
     no_slower_than: a format name; the mix's estimated decode step at most that model's."""
     positive(target_bpw, "--target-bpw", "number of bits per parameter")
     t0 = time.perf_counter()
@@ -250,16 +250,16 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     if max_seconds is not None:
         recorded.update(predicted_decode_ms=round(1e3 * mixer.decode_seconds(formats), 3),
                         reference_decode_ms=round(1e3 * max_seconds, 3))
-    if gptq:
-        recorded.update(act_order=gptq["act_order"], damp=gptq["damp"], nsamples=gptq["nsamples"],
-                        seqlen=gptq["seqlen"], calibration=gptq["calib"])
-    qconfig = mixer.qconfig(formats, recorded, "gptq" if gptq else "rtn")
+    if method != "rtn":
+        recorded.update(act_order=calibration["act_order"], damp=calibration["damp"], nsamples=calibration["nsamples"],
+                        seqlen=calibration["seqlen"], calibration=calibration["calib"])
+    qconfig = mixer.qconfig(formats, recorded, method)
     if mixer.bits(qconfig) > target_bpw:  # the arithmetic above must agree with the writer's plan
         raise AssertionError(f"the mix takes {mixer.bits(qconfig)} bits per parameter, over --target-bpw {target_bpw}")
     writing = dict(force=force, max_shard_bytes=max_shard_bytes, progress=progress, report=report)
-    if gptq:
-        from .calibrate import gptq_convert
-        summary = gptq_convert(mixer.src.path, out, qconfig, **gptq, **writing)
+    if method != "rtn":
+        from .calibrate import calibrated_convert
+        summary = calibrated_convert(mixer.src.path, out, qconfig, method=method, **calibration, **writing)
     else:
         summary = convert(mixer.src.path, out, qconfig, **writing)
     return dataclasses.replace(summary, seconds=time.perf_counter() - t0)

@@ -1,9 +1,10 @@
-"""GPTQ over a whole checkpoint, one decoder layer at a time, in bounded memory.
+"""The calibrated methods over a whole checkpoint, one decoder layer at a time, in bounded memory:
+GPTQ (quantize/gptq.py), and act-rtn, round to nearest on activation-aware grids (quantize/act_grid.py).
 
 Calibration token windows go through the embedding; then for each layer: load its weights alone,
 run the current activations through it while hooks accumulate each linear's Hessian (the fused
 q/k/v and gate/up projections read one input each, so one Hessian serves their parts), quantize each
-part with GPTQ, put the dequantized weights back, and run the activations through again: the
+part (GPTQ or act-rtn), put the dequantized weights back, and run the activations through again: the
 quantized layer's outputs are the next layer's inputs. lm_head is quantized last, on the final-norm
 outputs. Only one layer and the activations are in memory; the result is written by the streaming
 converter's writer in the same format as RTN.
@@ -26,6 +27,7 @@ from qlite.qconfig import QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
 from quantize.convert import Summary, plan_conversion, source_and_output, write_quantized
+from quantize.act_grid import act_quantize
 from quantize.gptq import gptq_linear, hessian_update
 
 BATCH = 4  # calibration windows per forward
@@ -61,31 +63,35 @@ def run_batched(fn, x: torch.Tensor, in_place: bool = False) -> None:
             x[i:i + BATCH] = y
 
 
+METHODS = ("gptq", "act-rtn")
+
+
 @torch.inference_mode()
-def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples: int, seqlen: int, act_order: bool,
-                 damp: float, progress: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    """The stored tensors of every linear the config quantizes, by GPTQ, by module name."""
+def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, calib: str, nsamples: int, seqlen: int,
+                       act_order: bool, damp: float, progress: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """The stored tensors of every linear the config quantizes, by `method` (gptq, act-rtn), by module name."""
     from tqdm import tqdm
 
-    cfg = dataclasses.replace(src.config, quantization=None)  # the float layers GPTQ works on
+    cfg = dataclasses.replace(src.config, quantization=None)  # the float layers the methods work on
     ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen)  # (n, seqlen)
     x = torch.nn.functional.embedding(ids, src.read("model.embed_tokens.weight").float())  # (n, seqlen, hidden)
     step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(seqlen)[None]), None, None, 0)
     out: dict[str, dict[str, torch.Tensor]] = {}
 
     def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor, update: bool = True) -> None:
-        """GPTQ each part of one linear; with update, its weight becomes the dequantized result."""
+        """Quantize each part of one linear; with update, its weight becomes the dequantized result."""
         row = 0
         for module, rows in linear_parts(name, linear):
             weight, row = linear.weight[row:row + rows], row + rows
             fmt = qconfig.format_for(module)
             if fmt is None:
                 continue
-            out[module] = gptq_linear(weight, hessian, fmt, damp=damp, act_order=act_order)
+            out[module] = (gptq_linear(weight, hessian, fmt, damp=damp, act_order=act_order) if method == "gptq"
+                           else act_quantize(weight, hessian, fmt, damp=damp))
             if update:
                 weight.copy_(fmt.dequantize(out[module], linear.in_features))
 
-    for i in tqdm(range(cfg.num_hidden_layers), desc="gptq", unit="layer", disable=not progress):
+    for i in tqdm(range(cfg.num_hidden_layers), desc=method, unit="layer", disable=not progress):
         prefix = f"model.layers.{i}."
         layer = float_layer(src, cfg, i)
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, Linear)}
@@ -112,27 +118,32 @@ def gptq_weights(src: CheckpointDir, qconfig: QuantConfig, calib: str, nsamples:
     return out
 
 
-def gptq_convert(src, out=None, qconfig: QuantConfig | None = None, *, calib: str = "builtin", nsamples: int = 128,
-                 seqlen: int = 512, act_order: bool = False, damp: float = 0.01, force: bool = False,
-                 max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True, **options) -> Summary:
-    """Quantize a checkpoint dir with GPTQ (formats from `qconfig` or QuantConfig.from_options(**options),
-    as for convert); returns the converter's Summary."""
+def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, method: str = "gptq",
+                       calib: str = "builtin", nsamples: int = 128, seqlen: int = 512, act_order: bool = False,
+                       damp: float = 0.01, force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
+                       report: bool = True, **options) -> Summary:
+    """Quantize a checkpoint dir with GPTQ or act-rtn (`method`; formats from `qconfig` or
+    QuantConfig.from_options(**options), as for convert); returns the converter's Summary."""
+    if method not in METHODS:
+        raise ValueError(f"calibrated method {method!r}: one of {METHODS}")
+    if act_order and method != "gptq":
+        raise QliteError("--act-order: a GPTQ setting (--method gptq)")
     if nsamples < 1 or seqlen < 2:
         raise QliteError("--nsamples must be >= 1 and --seqlen >= 2")
     if not damp > 0:
         raise QliteError(f"--damp {damp}: must be > 0")
     params = {"act_order": act_order, "damp": damp, "nsamples": nsamples, "seqlen": seqlen, "calibration": calib}
-    qconfig = qconfig or QuantConfig.from_options(method="gptq", params=params, **options)
+    qconfig = qconfig or QuantConfig.from_options(method=method, params=params, **options)
     for fmt in (qconfig.linear, qconfig.lm_head, qconfig.embeddings):
         if fmt is not None and not isinstance(fmt, IntFormat):
-            raise QliteError(f"--method gptq makes qlite's int formats, not {fmt.name}")
+            raise QliteError(f"--method {method} makes qlite's int formats, not {fmt.name}")
     t0 = time.perf_counter()
     src, out = source_and_output(src, out, qconfig, force)
     plan = plan_conversion(src, qconfig, report)  # everything checked before the long calibration
     if seqlen > src.config.max_position_embeddings:
         raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:
-        weights = gptq_weights(plan.src, qconfig, calib, nsamples, seqlen, act_order, damp, progress)
+        weights = calibrated_weights(plan.src, qconfig, method, calib, nsamples, seqlen, act_order, damp, progress)
         written = write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
                                   else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
                                   force, max_shard_bytes, progress, report)

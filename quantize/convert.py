@@ -3,11 +3,11 @@
 - plan: check the source (every name and shape the config implies, float tensors, not already
   quantized), decide each output tensor (copied, or quantized in which format) and the output specs;
 - write: one tensor at a time, read it from the source, quantize it if the plan says so (the
-  quantize function is RTN's or GPTQ's), write it, drop it. Output goes to a temporary dir beside
+  quantize function is RTN's or a calibrated method's), write it, drop it. Output goes to a temporary dir beside
   DST that is renamed into place only when complete; SRC is only read.
 
-`convert` (round to nearest, or bitsandbytes for its formats) and quantize.calibrate's `gptq_convert`
-are the two quantize functions behind the same plan and writer."""
+`convert` (round to nearest, or bitsandbytes for its formats) and quantize.calibrate's
+`calibrated_convert` (GPTQ, act-rtn) are the two quantize functions behind the same plan and writer."""
 from __future__ import annotations
 
 import json

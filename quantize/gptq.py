@@ -3,7 +3,9 @@ Transformers"): quantize a linear layer's columns one at a time, spreading each 
 error over the columns not yet quantized through the inverse Hessian H = 2 X^T X of the layer's
 inputs. Lazy batch updates in blocks of 128 columns; optional act-order (columns by descending
 diag(H)) with static groups, so the output stays in the canonical group layout and act-order costs
-nothing at inference (no per-call gather).
+nothing at inference (no per-call gather). Each group's grid (asymmetric int4) is the activation-aware
+one (quantize/act_grid.py: the least output error under the group's block of H), chosen when the
+column pass reaches the group, from the weights as GPTQ has updated them.
 
 `gptq_linear` is the pure math for one weight; `quantize/calibrate.py` runs it layer by layer."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from qlite.errors import QliteError
 from qlite.formats import IntFormat, round_to_grid
+from .act_grid import act_grid, group_blocks, uses_act_grid
 
 BLOCK = 128
 
@@ -36,6 +39,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
     H = hessian.float().clone()
     dead = torch.diag(H) == 0  # inputs that are always zero: any value works, pick 0
     H[dead, dead] = 1
+    blocks = group_blocks(H, G, damp) if uses_act_grid(fmt) else None  # (groups, G, G), canonical column order
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
     H = H[perm][:, perm]
     H.diagonal().add_(damp * torch.diag(H).mean())
@@ -43,25 +47,32 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except torch.linalg.LinAlgError:
         raise QliteError(f"GPTQ: the Hessian is not positive definite even with --damp {damp}; raise --damp") from None
-    parts = [_gptq_rows(weight[r:r + chunk_rows], Hinv, perm, dead, fmt, act_order)
+    parts = [_gptq_rows(weight[r:r + chunk_rows], Hinv, perm, dead, fmt, act_order, blocks)
              for r in range(0, weight.shape[0], chunk_rows)]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, fmt: IntFormat,
-               act_order: bool) -> dict[str, torch.Tensor]:
+               act_order: bool, blocks: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The column-by-column pass for some rows; Hinv is the upper Cholesky factor of the inverse of
-    the (permuted, damped) Hessian."""
+    the (permuted, damped) Hessian; blocks: the Hessian's group blocks for act_grid (None: min-max grids)."""
     W = weight.float().clone()
     N, K = W.shape
     G = fmt.group_size or K
-    params, lo, hi = fmt.grid, fmt.lo, fmt.hi
+    lo, hi = fmt.lo, fmt.hi
+
+    def params(wg: torch.Tensor, rows: torch.Tensor | None, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of groups wg (N, groups, G) from group `first` on."""
+        if blocks is None:
+            return fmt.grid(wg, rows)
+        return act_grid(fmt, wg, blocks[first:first + wg.shape[1]], rows)
+
     scale = torch.zeros(N, K // G)
     zero = torch.zeros(N, K // G)
     W[:, dead] = 0
     rows = fmt.row_scales(W.reshape(N, K // G, G))  # int4k's scales of scales: from the original weights
     if act_order:  # static groups: every group's grid from the original weights, fixed up front
-        scale[:], zero[:] = params(W.reshape(N, K // G, G), rows)  # (N, groups)
+        scale[:], zero[:] = params(W.reshape(N, K // G, G), rows, 0)  # (N, groups)
     W = W[:, perm]
 
     Q = torch.zeros_like(W)  # integer codes, in permuted column order
@@ -74,7 +85,7 @@ def _gptq_rows(weight: torch.Tensor, Hinv: torch.Tensor, perm: torch.Tensor, dea
             g = col // G
             if not act_order and col % G == 0:  # a new group: its grid from the current weights
                 group = W1[:, i:i + G] if G <= BLOCK else W[:, i1 + i:i1 + i + G]
-                scale[:, g], zero[:, g] = params(group, rows)
+                scale[:, g:g + 1], zero[:, g:g + 1] = params(group[:, None], rows, g)
             w, d = W1[:, i], Hinv1[i, i]
             q = round_to_grid(w, scale[:, g], zero[:, g], lo, hi)
             Q[:, i1 + i] = q

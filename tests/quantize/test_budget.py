@@ -59,17 +59,19 @@ def test_a_mixed_checkpoint_runs_close_to_its_source(src, tmp_path):
     assert kld.mean() < 0.05
 
 
-def test_gptq_quantizes_the_same_mix(src, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "act-rtn"])
+def test_calibrated_methods_quantize_the_same_mix(src, tmp_path, method):
     common = dict(target_bpw=5.0, windows=4, seqlen=64, samples=2, progress=False, report=False)
     rtn = budget_convert(src, tmp_path / "rtn", **common)
-    gptq = budget_convert(src, tmp_path / "gptq", gptq=dict(calib="builtin", nsamples=4, seqlen=64, act_order=False,
-                                                            damp=0.01), **common)
-    q_rtn, q_gptq = (json.loads((s.out_dir / "config.json").read_text())["quantization_config"] for s in (rtn, gptq))
-    assert q_gptq["method"] == "gptq" and q_gptq["nsamples"] == 4 and q_gptq["sensitivity"]["seqlen"] == 64
-    assert q_gptq["module_formats"] == q_rtn["module_formats"] and gptq.bytes_after == rtn.bytes_after
-    quantized = [m for m, f in q_rtn["module_formats"].items() if f]
-    a, b = CheckpointDir(rtn.out_dir), CheckpointDir(gptq.out_dir)
-    assert any(not torch.equal(a.read(f"{m}.qweight"), b.read(f"{m}.qweight")) for m in quantized)  # GPTQ's codes
+    calibrated = budget_convert(src, tmp_path / method, method=method, calibration=dict(
+        calib="builtin", nsamples=4, seqlen=64, act_order=False, damp=0.01), **common)
+    q_rtn, q = (json.loads((s.out_dir / "config.json").read_text())["quantization_config"] for s in (rtn, calibrated))
+    assert q["method"] == method and q["nsamples"] == 4 and q["sensitivity"]["seqlen"] == 64
+    assert q["module_formats"] == q_rtn["module_formats"] and calibrated.bytes_after == rtn.bytes_after
+    int4 = [m for m, f in q_rtn["module_formats"].items() if f and f.startswith("int4")]
+    assert int4
+    a, b = CheckpointDir(rtn.out_dir), CheckpointDir(calibrated.out_dir)
+    assert any(not torch.equal(a.read(f"{m}.qweight"), b.read(f"{m}.qweight")) for m in int4)  # the method's codes
 
 
 @pytest.mark.parametrize("value, message", [

@@ -1,5 +1,5 @@
-"""GPTQ through a whole (tiny) checkpoint: same format as RTN, loads, and fits the calibration text
-better than RTN does."""
+"""The calibrated methods (GPTQ, act-rtn) through a whole (tiny) checkpoint: same format as RTN, loads,
+and fits the calibration text better than RTN does."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from eval.run import evaluate
 from qlite.loader import load_model
 from qlite.errors import QliteError
-from quantize.calibrate import calibration_ids, gptq_convert, windows
+from quantize.calibrate import calibrated_convert, calibration_ids, windows
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 from qlite.tokenizer import Tokenizer
@@ -23,20 +23,30 @@ def setup(tmp_path_factory):
     return base, text
 
 
-def test_gptq_checkpoint_loads_and_beats_rtn_on_its_calibration_text(setup, tmp_path):
+def test_calibrated_checkpoints_load_and_beat_rtn_on_their_calibration_text(setup, tmp_path):
     base, text = setup
-    kw = dict(bits=4, group_size=32, lm_head_bits=4, progress=False)
-    gptq = gptq_convert(base, tmp_path / "gptq", calib=str(text), nsamples=8, seqlen=64, **kw).out_dir
-    act = gptq_convert(base, tmp_path / "act", calib=str(text), nsamples=8, seqlen=64, act_order=True, **kw).out_dir
-    rtn = convert(base, tmp_path / "rtn", **kw).out_dir
+    kw = dict(bits=4, group_size=32, lm_head_bits=4, progress=False, calib=str(text), nsamples=8, seqlen=64)
+    gptq = calibrated_convert(base, tmp_path / "gptq", **kw).out_dir
+    ordered = calibrated_convert(base, tmp_path / "ordered", act_order=True, **kw).out_dir
+    act = calibrated_convert(base, tmp_path / "act", method="act-rtn", **kw).out_dir
+    rtn = convert(base, tmp_path / "rtn", bits=4, group_size=32, lm_head_bits=4, progress=False).out_dir
     q = json.loads((gptq / "config.json").read_text())["quantization_config"]
     assert q["method"] == "gptq" and q["nsamples"] == 8 and q["group_size"] == 32
+    assert json.loads((act / "config.json").read_text())["quantization_config"]["method"] == "act-rtn"
     rtn_files = {n: t.shape for n, t in load_model(rtn, kernel="reference").state_dict().items()}
-    assert {n: t.shape for n, t in load_model(gptq, kernel="reference").state_dict().items()} == rtn_files
-    rows = evaluate([rtn, gptq, act], base, data=[str(text)], ctx=64, max_chunks=4, dtype="float32",
+    for d in (gptq, act):
+        assert {n: t.shape for n, t in load_model(d, kernel="reference").state_dict().items()} == rtn_files
+    rows = evaluate([rtn, gptq, ordered, act], base, data=[str(text)], ctx=64, max_chunks=4, dtype="float32",
                     progress=False)
     kld = {r.model: r.metrics["kld_mean"] for r in rows}
-    assert kld["gptq"] < kld["rtn"] and kld["act"] < kld["rtn"], kld
+    assert max(kld["gptq"], kld["ordered"], kld["act"]) < kld["rtn"], kld
+
+
+def test_act_refuses_act_order(setup, tmp_path):
+    base, text = setup
+    with pytest.raises(QliteError, match="--act-order"):
+        calibrated_convert(base, tmp_path / "x", method="act-rtn", act_order=True, calib=str(text), nsamples=2, seqlen=32)
+    assert not (tmp_path / "x").exists()
 
 
 def test_calibration_windows_and_builtin_text(setup):
@@ -61,7 +71,7 @@ def test_gptq_with_quantized_embeddings_rounds_the_table_to_nearest(setup, tmp_p
     from safetensors.torch import load_file
     base, text = setup
     kw = dict(bits=4, group_size=32, embed_bits=4, progress=False)
-    gptq = gptq_convert(base, tmp_path / "gptq", calib=str(text), nsamples=2, seqlen=32, **kw)
+    gptq = calibrated_convert(base, tmp_path / "gptq", calib=str(text), nsamples=2, seqlen=32, **kw)
     rtn = convert(base, tmp_path / "rtn", **kw).out_dir
     assert gptq.embed_bits_per_weight == pytest.approx(4 + 24 / 32)
     assert gptq.fidelity["texts"]["prose"]["tokens"] > 0  # GPTQ's output carries its report too

@@ -213,6 +213,8 @@ def run_cli(capsys, *args):
     (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
     (["--format", "intk", "--bits", "8"], "bits 8: intk has 4 bits"),
     (["--format", "intk", "--symmetric"], "int4k is asymmetric only"),
+    (["--method", "act-rtn", "--act-order"], "--act-order: a GPTQ setting"),
+    (["--method", "act-rtn", "--format", "nf4"], "--method act-rtn makes qlite's int formats"),
 ])
 def test_bad_flags_leave_nothing_behind(capsys, src, tmp_path, args, message):
     before = dir_digest(src)
@@ -237,6 +239,19 @@ def test_int4k_from_the_cli(capsys, src, tmp_path):
                  "--no-report", "--out", str(tmp_path / "k4")]) == 0
     assert main(["info", str(tmp_path / "k4")]) == 0
     assert "rtn int4k-g32, lm_head int4k-g32, embeddings int4k-g32" in capsys.readouterr().out  # the same family
+
+
+def test_act_rtn_from_the_cli(capsys, src, tmp_path):
+    """--method act-rtn: calibrated, its own name in the default output dir and in info; it generates."""
+    import shutil
+    local = tmp_path / "ckpt"
+    shutil.copytree(src, local)
+    assert main(["quantize", str(local), "--method", "act-rtn", "--group-size", "64", "--nsamples", "2", "--seqlen", "32",
+                 "--no-report"]) == 0
+    out = tmp_path / "ckpt-act-rtn-int4-g64"
+    assert main(["info", str(out)]) == 0
+    assert "act-rtn int4-g64, lm_head int8" in capsys.readouterr().out
+    assert main(["generate", "-m", str(out), "-p", "the thin", "--max-new-tokens", "3"]) == 0
 
 
 def test_bitsandbytes_formats_from_the_cli(capsys, src, tmp_path):
