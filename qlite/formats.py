@@ -92,9 +92,9 @@ class Format:
         """Storage bits per weight, scales and zero points included (from the stored shapes)."""
         return 8 * self.nbytes(1, in_features) / in_features
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A float weight [N, K] -> its stored tensors, CHUNK_ROWS rows at a time."""
-        parts = [self.quantize_rows(w[i:i + CHUNK_ROWS]) for i in range(0, w.shape[0], CHUNK_ROWS)]
+    def quantize(self, w: torch.Tensor, **options) -> dict[str, torch.Tensor]:
+        """A float weight [N, K] -> its stored tensors, CHUNK_ROWS rows at a time (options: quantize_rows')."""
+        parts = [self.quantize_rows(w[i:i + CHUNK_ROWS], **options) for i in range(0, w.shape[0], CHUNK_ROWS)]
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
     def fields(self) -> dict:
@@ -171,11 +171,12 @@ class IntFormat(Format, scheme="int"):
         """Integer codes [N, K] (float) and per-group scale/zero [N, groups] -> stored tensors."""
         raise NotImplementedError
 
-    def quantize_rows(self, w):
+    def quantize_rows(self, w, grid=None):
+        """grid: a function (wg, rows) -> (scale, zero) in place of the format's min-max one (quantize/act_grid.py)."""
         N, K = w.shape
         wg = w.float().reshape(N, self.groups(K), -1)  # (N, groups, G)
         rows = self.row_scales(wg)
-        scale, zero = self.grid(wg, rows)  # (N, groups)
+        scale, zero = (grid or self.grid)(wg, rows)  # (N, groups)
         q = round_to_grid(wg, scale[..., None], zero[..., None], self.lo, self.hi)
         return self.encode(q.reshape(N, K), scale, zero, rows)
 

@@ -60,19 +60,11 @@ def act_grid(fmt: IntFormat, wg: torch.Tensor, blocks: torch.Tensor, rows: torch
     return best[1], best[2]
 
 
-def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = 0.01,
-                 chunk_rows: int = 8192) -> dict[str, torch.Tensor]:
+def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = 0.01
+                 ) -> dict[str, torch.Tensor]:
     """Round weight [N, K] to nearest on act_grid's grids (formats without one: min-max, fmt.quantize);
-    returns fmt's stored tensors. chunk_rows rows at a time, so an lm_head's candidates stay small."""
+    returns fmt's stored tensors."""
     if not uses_act_grid(fmt):
         return fmt.quantize(weight)
-    N, K = weight.shape
     blocks = group_blocks(hessian, fmt.group_size, damp)
-    parts = []
-    for r in range(0, N, chunk_rows):
-        wg = weight[r:r + chunk_rows].float().reshape(-1, K // fmt.group_size, fmt.group_size)  # (n, groups, G)
-        rows = fmt.row_scales(wg)
-        scale, zero = act_grid(fmt, wg, blocks, rows)
-        q = round_to_grid(wg, scale[..., None], zero[..., None], fmt.lo, fmt.hi)
-        parts.append(fmt.encode(q.reshape(-1, K), scale, zero, rows))
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return fmt.quantize(weight, grid=lambda wg, rows: act_grid(fmt, wg, blocks, rows))

@@ -77,9 +77,11 @@ def test_each_group_gets_its_best_candidate(fmt):
 
 
 @pytest.mark.parametrize("fmt", ACT_FORMATS, ids=lambda f: f.name)
-def test_stored_form(fmt):
+def test_stored_form(fmt, monkeypatch):
     w, _, h = setup()
-    stored = act_quantize(w, h, fmt, chunk_rows=24)  # rows in chunks: the same as whole
+    with monkeypatch.context() as m:
+        m.setattr("qlite.formats.CHUNK_ROWS", 24)
+        stored = act_quantize(w, h, fmt)  # rows in chunks: the same as whole
     assert all(torch.equal(v, act_quantize(w, h, fmt)[k]) for k, v in stored.items())
     shapes = fmt.stored_shapes(*w.shape)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in stored.items()} == shapes
