@@ -36,6 +36,8 @@ VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_INPUT_ORDER, FORMAT_VERSION_MIXED)
 QUANT_METHOD = "qlite"
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("rtn", "act-rtn", "gptq", "bnb")
+# act-rtn / GPTQ: the share of H's mean diagonal added to its diagonal (README "Commands" for how it was chosen)
+DAMP = 0.3
 EMBEDDINGS = "model.embed_tokens"
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from qlite.formats import Int4, IntFormat, Int4K, SCALE_CODE_MAX, asymmetric_range, coded_scale, fp16_scale, round_to_grid
+from qlite.qconfig import DAMP
 
 SHRINK = torch.linspace(1.0, 0.7, 11)  # candidate scales, as fractions of the min-max scale
 
@@ -60,7 +61,7 @@ def act_grid(fmt: IntFormat, wg: torch.Tensor, blocks: torch.Tensor, rows: torch
     return best[1], best[2]
 
 
-def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = 0.01
+def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = DAMP
                  ) -> dict[str, torch.Tensor]:
     """Round weight [N, K] to nearest on act_grid's grids (formats without one: min-max, fmt.quantize);
     returns fmt's stored tensors."""

@@ -23,7 +23,7 @@ from qlite.formats import IntFormat
 from qlite.memory import PeakAnonSampler
 from qlite.loader import float_layer
 from qlite.model import Linear, RMSNorm, Rotary, Step, linear_parts
-from qlite.qconfig import QuantConfig
+from qlite.qconfig import DAMP, QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
 from quantize.convert import Summary, plan_conversion, source_and_output, write_quantized
@@ -120,7 +120,7 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
 
 def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, method: str = "gptq",
                        calib: str = "builtin", nsamples: int = 128, seqlen: int = 512, act_order: bool = False,
-                       damp: float = 0.01, force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
+                       damp: float = DAMP, force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
                        report: bool = True, **options) -> Summary:
     """Quantize a checkpoint dir with GPTQ or act-rtn (`method`; formats from `qconfig` or
     QuantConfig.from_options(**options), as for convert); returns the converter's Summary."""

@@ -14,6 +14,7 @@ import torch
 
 from qlite.errors import QliteError
 from qlite.formats import IntFormat, round_to_grid
+from qlite.qconfig import DAMP
 from .act_grid import act_grid, group_blocks, uses_act_grid
 
 BLOCK = 128
@@ -25,7 +26,7 @@ def hessian_update(h: torch.Tensor, x: torch.Tensor) -> None:
     h.addmm_(x2.t(), x2)
 
 
-def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = 0.01,
+def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, damp: float = DAMP,
                 act_order: bool = False, chunk_rows: int = 4096) -> dict[str, torch.Tensor]:
     """Quantize weight [N, K] given the Hessian [K, K] of its inputs; returns the stored tensors of
     `fmt` (as `fmt.quantize` does for RTN). Rows are independent given H, so they

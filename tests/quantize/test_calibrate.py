@@ -79,3 +79,11 @@ def test_gptq_with_quantized_embeddings_rounds_the_table_to_nearest(setup, tmp_p
     for suffix in ("qweight", "scales", "zeros"):
         assert torch.equal(ours[f"model.embed_tokens.{suffix}"], theirs[f"model.embed_tokens.{suffix}"])
     assert not torch.equal(ours["model.layers.0.mlp.down_proj.qweight"], theirs["model.layers.0.mlp.down_proj.qweight"])
+
+
+def test_the_cli_damp_default_is_the_library_one():
+    """qlite.cli keeps the literal (importing qconfig would load torch for `qlite --help`)."""
+    from qlite.cli import quantize
+    from qlite.qconfig import DAMP
+
+    assert next(p for p in quantize.params if p.name == "damp").default == DAMP
