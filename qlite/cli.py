@@ -244,7 +244,8 @@ def info(model_dir):
 @click.option("--nsamples", type=at_least(1), default=128, show_default=True, help="act-rtn, GPTQ: calibration windows")
 @click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="act-rtn, GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
-@click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.3, show_default=True,  # qconfig.DAMP (tested equal)
+# --damp's default is qconfig.DAMP (tested equal; importing qconfig here would load torch for `qlite --help`)
+@click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.3, show_default=True,
               help="act-rtn, GPTQ: dampening, share of mean diag(H) added to its diagonal")
 @click.option("--target-bpw", type=Number(float, 0, low_open=True, rule="> 0"),
               help="choose a format for every tensor (int4-g128, int4k-g64/g32, int8, int8-g32, 16-bit) by its "
