@@ -29,10 +29,10 @@ def uses_act_grid(fmt: IntFormat) -> bool:
 
 def group_blocks(hessian: torch.Tensor, group_size: int, damp: float) -> torch.Tensor:
     """(groups, G, G) diagonal blocks of the damped Hessian [K, K] (damp: share of its mean diagonal)."""
-    H = hessian.float().clone()
-    H.diagonal().add_(damp * torch.diag(H).mean())
-    K = H.shape[0]
-    return torch.stack([H[i:i + group_size, i:i + group_size] for i in range(0, K, group_size)])
+    H = hessian.float()
+    blocks = torch.stack([H[i:i + group_size, i:i + group_size] for i in range(0, H.shape[0], group_size)])  # copies
+    blocks.diagonal(dim1=1, dim2=2).add_(damp * torch.diag(H).mean())
+    return blocks
 
 
 def act_grid(fmt: IntFormat, wg: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor | None = None

@@ -251,8 +251,8 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
         recorded.update(predicted_decode_ms=round(1e3 * mixer.decode_seconds(formats), 3),
                         reference_decode_ms=round(1e3 * max_seconds, 3))
     if method != "rtn":
-        recorded.update(act_order=calibration["act_order"], damp=calibration["damp"], nsamples=calibration["nsamples"],
-                        seqlen=calibration["seqlen"], calibration=calibration["calib"])
+        from .calibrate import calibration_params
+        recorded.update(calibration_params(**calibration))
     qconfig = mixer.qconfig(formats, recorded, method)
     if mixer.bits(qconfig) > target_bpw:  # the arithmetic above must agree with the writer's plan
         raise AssertionError(f"the mix takes {mixer.bits(qconfig)} bits per parameter, over --target-bpw {target_bpw}")

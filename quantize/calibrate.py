@@ -118,6 +118,11 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
     return out
 
 
+def calibration_params(calib: str, nsamples: int, seqlen: int, act_order: bool, damp: float) -> dict:
+    """The calibrated methods' settings as a checkpoint records them (quantization_config)."""
+    return {"act_order": act_order, "damp": damp, "nsamples": nsamples, "seqlen": seqlen, "calibration": calib}
+
+
 def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, method: str = "gptq",
                        calib: str = "builtin", nsamples: int = 128, seqlen: int = 512, act_order: bool = False,
                        damp: float = DAMP, force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
@@ -132,7 +137,7 @@ def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, met
         raise QliteError("--nsamples must be >= 1 and --seqlen >= 2")
     if not damp > 0:
         raise QliteError(f"--damp {damp}: must be > 0")
-    params = {"act_order": act_order, "damp": damp, "nsamples": nsamples, "seqlen": seqlen, "calibration": calib}
+    params = calibration_params(calib, nsamples, seqlen, act_order, damp)
     qconfig = qconfig or QuantConfig.from_options(method=method, params=params, **options)
     for fmt in (qconfig.linear, qconfig.lm_head, qconfig.embeddings):
         if fmt is not None and not isinstance(fmt, IntFormat):
