@@ -97,14 +97,17 @@ def write_sharded(out_dir: Path, specs: list[TensorSpec], tensors, max_shard_byt
     shards = plan_shards(specs, max_shard_bytes)
     names = shard_file_names(len(shards))
     it = iter(tensors)
-    for shard, fname in zip(shards, names):
-        writer = SafetensorsWriter(out_dir / fname, shard, metadata)
-        for _ in shard:
-            name, t = next(it)
-            writer.write(name, t)
-            if progress is not None:
-                progress(name)
-        writer.close()
+    try:
+        for shard, fname in zip(shards, names):
+            writer = SafetensorsWriter(out_dir / fname, shard, metadata)
+            for _ in shard:
+                name, t = next(it)
+                writer.write(name, t)
+                if progress is not None:
+                    progress(name)
+            writer.close()
+    finally:  # a generator's own cleanup (its progress bar) runs now, even on an error, not when it is collected
+        getattr(it, "close", lambda: None)()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
                  "weight_map": {s.name: fname for shard, fname in zip(shards, names) for s in shard}}
