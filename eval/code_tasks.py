@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qlite.errors import QliteError
+from qlite.files import read_text
+
+MAX_TASKS_BYTES = 64 * 2**20  # a --tasks JSON Lines file
 
 
 @dataclass(frozen=True)
@@ -1204,9 +1207,9 @@ def load_tasks(source: str) -> list[Task]:
         return list(TASKS)
     path = Path(source).expanduser()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise QliteError(f"--tasks {source}: unreadable ({e})") from None
+        lines = read_text(path, limit=MAX_TASKS_BYTES).splitlines()
+    except QliteError as e:
+        raise QliteError(f"--tasks {e}") from None
     tasks = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -14,6 +14,7 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.config import load_config
 from qlite.errors import QliteError
+from qlite.files import read_bytes
 from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import decoder_linear_bits_per_weight, format_name
 from qlite.loader import load_model
@@ -47,7 +48,7 @@ def describe_model(model_dir: Path) -> tuple[str, float, float]:
 
 
 def _file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+    return hashlib.sha256(read_bytes(path, within=path.parent)).hexdigest() if path.exists() or path.is_symlink() else ""
 
 
 def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:

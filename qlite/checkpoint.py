@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .config import Qwen2Config, read_json
+from .config import Qwen2Config
 from .errors import QliteError
+from .files import inside, read_json
 from .memory import drop_pages
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -56,7 +57,7 @@ class CheckpointDir:
 
     @functools.cached_property
     def config_dict(self) -> dict:
-        return read_json(self.path / "config.json")
+        return read_json(self.path / "config.json", within=self.path)
 
     @functools.cached_property
     def config(self) -> Qwen2Config:
@@ -77,7 +78,7 @@ class CheckpointDir:
         """The safetensors files: those the index names, or model.safetensors."""
         index = self.path / INDEX_NAME
         if index.exists():
-            weight_map = read_json(index).get("weight_map")
+            weight_map = read_json(index, within=self.path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise QliteError(f"{index}: no weight_map")
             files = sorted(set(weight_map.values()))
@@ -86,12 +87,12 @@ class CheckpointDir:
                     raise QliteError(f"{index}: {f!r} is not a file name in the checkpoint dir")
                 if not (self.path / f).exists():
                     raise QliteError(f"{self.path / f}: named by {INDEX_NAME} but missing")
-                if not (self.path / f).is_file() or not _inside(self.path / f, self.path):
+                if not (self.path / f).is_file() or not inside(self.path / f, self.path):
                     raise QliteError(f"{self.path / f}: named by {INDEX_NAME} but not a regular file in {self.path}")
             return [self.path / f for f in files]
         single = self.path / "model.safetensors"
         if single.exists():
-            if not single.is_file() or not _inside(single, self.path):
+            if not single.is_file() or not inside(single, self.path):
                 raise QliteError(f"{single}: not a regular file in {self.path}")
             return [single]
         if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
@@ -187,7 +188,7 @@ class CheckpointDir:
         files = [f for f in sorted(self.path.iterdir()) if f.is_file() and f.name not in ("config.json", INDEX_NAME)
                  and not f.name.endswith(WEIGHT_SUFFIXES)]
         for f in files:
-            if not _inside(f, self.path):
+            if not inside(f, self.path):
                 raise QliteError(f"{f}: links to {f.resolve()}, outside the checkpoint dir; refusing to read it")
         return files
 
@@ -209,9 +210,3 @@ def _finite(t: torch.Tensor, info: TensorInfo, name: str) -> torch.Tensor:
             raise QliteError(f"{info.file}: tensor {name} holds NaN or infinite values")
     return t
 
-
-def _inside(path: Path, directory: Path) -> bool:
-    """Whether path, links resolved, lies inside directory, or in the blobs dir of a Hugging Face
-    cache snapshot (SNAPSHOT/../../blobs, where the hub's own links point)."""
-    target = path.resolve().parents
-    return directory.resolve() in target or (directory / ".." / ".." / "blobs").resolve() in target

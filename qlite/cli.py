@@ -321,10 +321,16 @@ def parse_size(text: str, flag: str) -> int:
     return size
 
 
-def check_writable(path: Path | None, flag: str) -> None:
-    """Before long work: the file can be written (its dir exists and takes files; it is no dir)."""
+def check_writable(path: Path | None, flag: str, inputs=()) -> None:
+    """Before long work: the file can be written (its dir exists and takes files; it is no dir) and
+    is none of the inputs, nor inside an input dir."""
     if path is None:
         return
+    for given in inputs:
+        source = Path(given).expanduser().resolve()
+        if path.resolve() == source or source in path.resolve().parents:
+            raise QliteError(f"{flag} {path}: {'is' if path.resolve() == source else 'lies inside'} the input "
+                             f"{given}; choose another file")
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or \
             (path.exists() and not os.access(path, os.W_OK)):
@@ -355,8 +361,11 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     .gguf file is scored by llama.cpp on the same tokens (needs the bench extra)."""
     from eval.run import evaluate, how_run, write_reports
 
-    check_writable(json_path, "--json")
-    check_writable(md_path, "--markdown")
+    inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")), *([tasks] if tasks and tasks != "builtin" else [])]
+    check_writable(json_path, "--json", inputs)
+    check_writable(md_path, "--markdown", inputs)
+    if json_path is not None and md_path is not None and json_path.resolve() == md_path.resolve():
+        raise QliteError(f"--json and --markdown are both {json_path}; give each its own file")
     data = () if tuple(data) == ("none",) else data
     if not data and not tasks:
         raise QliteError("--data none: nothing to evaluate without --tasks")

@@ -1,12 +1,13 @@
 """Qwen2 model config read from a checkpoint's config.json, validated."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import QliteError
+from .fields import field_of, is_int
+from .files import read_json
 from .qconfig import QuantConfig
 
 
@@ -33,30 +34,36 @@ class Qwen2Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
+        """Fields strictly typed (no coercion: "64", 64.7 or "false" are refused, naming the field);
+        features qlite does not implement (rope_scaling, sliding window) refused by name."""
         if d.get("model_type") != "qwen2":
             raise QliteError(f"{source}: model_type is {d.get('model_type')!r}, qlite runs only 'qwen2'")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
             raise QliteError(f"{source}: missing {', '.join(missing)}")
-        rope = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        unsupported(d, source)
+        rope = field_of(d, "rope_parameters", dict, source, {})
+        rope_theta = d["rope_theta"] if d.get("rope_theta") is not None else rope.get("rope_theta", 1_000_000.0)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(is_int(e) for e in eos_ids):
+            raise QliteError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        heads = field_of(d, "num_attention_heads", int, source)
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=int(d["num_attention_heads"]),
-            num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            bos_token_id=d.get("bos_token_id"),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            vocab_size=field_of(d, "vocab_size", int, source),
+            hidden_size=field_of(d, "hidden_size", int, source),
+            intermediate_size=field_of(d, "intermediate_size", int, source),
+            num_hidden_layers=field_of(d, "num_hidden_layers", int, source),
+            num_attention_heads=heads,
+            num_key_value_heads=field_of(d, "num_key_value_heads", int, source, heads),
+            max_position_embeddings=field_of(d, "max_position_embeddings", int, source, 32768),
+            rope_theta=field_of({"rope_theta": rope_theta}, "rope_theta", float, source),
+            rms_norm_eps=field_of(d, "rms_norm_eps", float, source, 1e-6),
+            tie_word_embeddings=field_of(d, "tie_word_embeddings", bool, source, False),
+            eos_token_ids=eos_ids,
+            bos_token_id=field_of(d, "bos_token_id", int, source, None),
+            torch_dtype=field_of(d, "torch_dtype", str, source, None) or field_of(d, "dtype", str, source, None),
         )
         cfg.validate(source)
         if d.get("quantization_config") is not None:
@@ -82,32 +89,25 @@ class Qwen2Config:
             raise QliteError(f"{source}: head_dim {self.head_dim} must be even for RoPE")
 
 
-def read_text(path: Path) -> str:
-    """A small text file of a checkpoint, every failure naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise QliteError(f"{path}: not found") from None
-    except UnicodeDecodeError:
-        raise QliteError(f"{path}: not UTF-8 text") from None
-    except OSError as e:
-        raise QliteError(f"{path}: unreadable ({e.strerror})") from None
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a file (config, index, tokenizer config), every failure naming the file."""
-    try:
-        value = json.loads(read_text(path))
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise QliteError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise QliteError(f"{path}: holds a JSON {type(value).__name__}, not an object")
-    return value
-
-
 def load_config(model_dir: str | Path) -> Qwen2Config:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise QliteError(f"{model_dir}: not a directory")
-    return Qwen2Config.from_dict(read_json(path), source=str(path))
+    return Qwen2Config.from_dict(read_json(path, within=model_dir), source=str(path))
+
+
+# config.json features that change the model's numbers and that qlite does not implement: refused by
+# name rather than run silently wrong (field -> the values that mean "off")
+UNSUPPORTED = {"rope_scaling": (None,), "use_sliding_window": (None, False)}
+
+
+def unsupported(d: dict, source: str) -> None:
+    rope = d.get("rope_parameters")
+    scaling = rope.get("rope_type") if isinstance(rope, dict) else None
+    if scaling not in (None, "default"):
+        raise QliteError(f"{source}: rope_parameters.rope_type {scaling!r}: qlite implements no rope scaling yet "
+                         "(remove it to run at the original context)")
+    for name, off in UNSUPPORTED.items():
+        if d.get(name) not in off:
+            raise QliteError(f"{source}: {name} {d[name]!r}: qlite does not implement it yet "
+                             f"(remove it from config.json to run without it)"[:300])

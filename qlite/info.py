@@ -1,12 +1,13 @@
 """`qlite info`: what a checkpoint dir holds, read from config and safetensors headers only."""
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 from .checkpoint import CheckpointDir
+from .errors import QliteError
+from .files import read_json
 
 REPORT_NAME = "quantization_report.json"  # written by quantize/report.py
 DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(?!bias$)\w+")
@@ -58,15 +59,15 @@ def describe(model_dir: str | Path) -> str:
     lines.append(f"format         {format_name(cfg)}")
     lines.append(f"decoder linears {decoder_linear_bits_per_weight(ckpt):.3f} bits per weight")
     report = ckpt.path / REPORT_NAME
-    if report.is_file():
-        lines += report_lines(report)
+    if report.exists() or report.is_symlink():
+        lines += report_lines(report, ckpt.path)
     return "\n".join(lines)
 
 
-def report_lines(path: Path) -> list[str]:
+def report_lines(path: Path, model_dir: Path) -> list[str]:
     """The quantization report's recipe and fidelity, as `qlite info` prints them."""
     try:
-        report = json.loads(path.read_text())
+        report = read_json(path, within=model_dir)
         formats = Counter(report["recipe"].values())
         lines = ["recipe         " + ", ".join(f"{fmt} x {n}" for fmt, n in formats.most_common())]
         fidelity = report["fidelity"]
@@ -77,5 +78,7 @@ def report_lines(path: Path) -> list[str]:
                          f"top-1 {100 * m['top1']:.1f}%, PPL ratio {m['ppl_ratio']:.3f} ± {m['ppl_ratio_err']:.3f} "
                          f"({m['tokens']} tokens, measured at quantize time)")
         return lines
+    except QliteError as e:
+        return [f"report         {e}"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return [f"report         {path}: unreadable (not a qlite quantization report)"]

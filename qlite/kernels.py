@@ -52,14 +52,22 @@ class Reference:
 
 
 class AtenInt8:
+    """torch's kernel reads the weight in 16-byte vectors without checking: from 4 rows on it
+    crashes (SIGSEGV) on a K that is not a multiple of 16 or a weight not 16-byte aligned (a view of
+    the mapped file, where the offset is the file's). So K is a precondition, and a misaligned
+    weight is copied once at load."""
     name = "aten-int8"
+    ALIGN = 16
 
     @staticmethod
     def supports(layer) -> bool:
-        return isinstance(layer.fmt, Int8) and layer.fmt.group_size is None and _on_cpu(layer)
+        return (isinstance(layer.fmt, Int8) and layer.fmt.group_size is None and _on_cpu(layer)
+                and layer.in_features % AtenInt8.ALIGN == 0)
 
     def __init__(self, layer):
-        self.qweight, self.bias, self.shape = layer.qweight, layer.bias, (layer.out_features, layer.in_features)
+        self.bias, self.shape = layer.bias, (layer.out_features, layer.in_features)
+        w = layer.qweight.contiguous()
+        self.qweight = w if w.data_ptr() % AtenInt8.ALIGN == 0 else w.clone()  # clone: allocator-aligned (64)
         self.scales = layer.scales[:, 0].to(torch.bfloat16)  # (N,)
 
     def __call__(self, x):

@@ -1,14 +1,20 @@
 """The one way qlite writes an output: into a temporary place beside it, moved into place only when
 complete. An output dir being written is claimed by a lock on its temporary dir (held until the
 process ends, so a killed run's claim lapses by itself): a second run into the same output is
-refused while the first lives, and what a dead run left behind is removed by the next one."""
+refused while the first lives, and what a dead run left behind is removed by the next one.
+
+A dir is taken for a dead run's leftover only with proof that a qlite run made it for this output:
+its name (.NAME.tmp-* or .NAME.old-*), a marker file inside naming the output and the run, and no
+live lock. A user's own dir of such a name (a source moved there, say) is never touched."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from .errors import QliteError
@@ -50,25 +56,65 @@ def _lock(path: Path) -> int | None:
         return None
 
 
+MARKER = ".qlite-run"  # in every temporary dir qlite makes: {"output": NAME, "run": ID}
+
+
+def mark(directory: Path, dst: Path) -> None:
+    """Write the proof that `directory` is a qlite run's temporary dir for the output dst."""
+    run = f"{os.getpid()}-{uuid.uuid4().hex}"
+    (directory / MARKER).write_text(json.dumps({"output": dst.name, "run": run}))
+
+
+def _marked_for(directory: Path, dst: Path) -> bool:
+    marker = directory / MARKER
+    if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 4096:
+        return False
+    try:
+        proof = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(proof, dict) and proof.get("output") == dst.name and isinstance(proof.get("run"), str)
+
+
 def _leftovers(dst: Path) -> list[Path]:
-    """Temporary dirs of runs writing dst: .NAME.tmp-* (being written), .NAME.old-* (being replaced)."""
+    """Temporary dirs of qlite runs writing dst: .NAME.tmp-* (being written), .NAME.old-* (being
+    replaced), each a real dir with this output's marker inside."""
     return sorted(p for pattern in (f".{dst.name}.tmp-*", f".{dst.name}.old-*") for p in dst.parent.glob(pattern)
-                  if p.is_dir() and not p.is_symlink())
+                  if p.is_dir() and not p.is_symlink() and _marked_for(p, dst))
 
 
 def _claim_leftovers(dst: Path) -> None:
-    """Refuse if a live run is writing dst; remove what dead runs left (their locks lapsed)."""
+    """Refuse if a live run is writing dst; clear what dead runs left (their locks lapsed): a run
+    killed halfway through replacing dst left the old dst in its .old- dir, which goes back in place."""
     for path in _leftovers(dst):
         fd = _lock(path)
         if fd is None:
             raise QliteError(f"{dst}: another qlite run is writing it (into {path.name}); wait for it to end")
         try:
+            previous = path / REPLACED
+            if previous.is_dir() and not previous.is_symlink() and not dst.exists() and not dst.is_symlink():
+                os.rename(previous, dst)
+                print(f"qlite: put {dst} back in place, from an interrupted run that was replacing it", file=sys.stderr)
             shutil.rmtree(path)
             print(f"qlite: removed {path}, left by an interrupted run", file=sys.stderr)
         except OSError as e:
             raise QliteError(f"{path}: left by an interrupted run and cannot be removed ({e.strerror})") from None
         finally:
             os.close(fd)
+
+
+def _claimed_dir(dst: Path, kind: str) -> tuple[Path, int]:
+    """A new dir .NAME.KIND-XXXX beside dst, marked and locked before it takes that name: made under
+    a name no other run looks at, then renamed, so a .tmp- or .old- dir is locked while its run lives."""
+    new = Path(tempfile.mkdtemp(prefix=f".{dst.name}.new-", dir=dst.parent))
+    mark(new, dst)
+    fd = _lock(new)
+    claimed = new.with_name(new.name.replace(".new-", f".{kind}-", 1))
+    os.rename(new, claimed)
+    return claimed, fd
+
+
+REPLACED = "replaced"  # inside an .old- dir: the output being replaced, until the new one is in place
 
 
 @contextlib.contextmanager
@@ -80,22 +126,22 @@ def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
     check_output(dst, force, inputs)
     dst.parent.mkdir(parents=True, exist_ok=True)
     _claim_leftovers(dst)
-    # made under a name no other run looks at, locked, then renamed: a .tmp- dir is locked while its run lives
-    new = Path(tempfile.mkdtemp(prefix=f".{dst.name}.new-", dir=dst.parent))
-    fd = _lock(new)
-    tmp = new.with_name(new.name.replace(".new-", ".tmp-", 1))
-    os.rename(new, tmp)
+    tmp, fd = _claimed_dir(dst, "tmp")
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary dir
     try:
         yield tmp
         check_output(dst, force, inputs)
         if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
+            old, old_fd = _claimed_dir(dst, "old")
+            try:
+                os.rename(dst, old / REPLACED)
+                os.rename(tmp, dst)
+                shutil.rmtree(old, ignore_errors=True)
+            finally:
+                os.close(old_fd)
         else:
             os.rename(tmp, dst)
+        (dst / MARKER).unlink()  # the proof stays with the temporary dir until it is the output
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

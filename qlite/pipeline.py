@@ -5,8 +5,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from .config import read_json
 from .errors import QliteError
+from .files import read_checkpoint_json
 from .generate import SamplingParams, stream_text
 from .tokenizer import Tokenizer
 
@@ -14,7 +14,7 @@ from .tokenizer import Tokenizer
 def sampling_defaults(model_dir: Path) -> dict:
     """Sampling settings from generation_config.json; greedy unless it asks for sampling."""
     path = model_dir / "generation_config.json"
-    gen = read_json(path) if path.exists() else {}
+    gen = read_checkpoint_json(model_dir, path.name) or {}
     if not gen.get("do_sample"):
         return {}
     keys = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
@@ -28,8 +28,7 @@ def sampling_defaults(model_dir: Path) -> dict:
 
 def eos_token_ids(model_dir: Path, config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:
     ids = set(config_eos)
-    path = model_dir / "generation_config.json"
-    gen_eos = read_json(path).get("eos_token_id") if path.exists() else None
+    gen_eos = (read_checkpoint_json(model_dir, "generation_config.json") or {}).get("eos_token_id")
     ids.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -90,6 +89,21 @@ def check_messages(messages) -> list[dict]:
     return out
 
 
+THREADS_PER_CPU = 8  # the most threads a run may ask for per CPU: more only oversubscribes (and from
+# ~20,000 OpenMP aborts or the process crashes)
+
+
+def checked_threads(threads) -> int:
+    """--threads: a positive integer, at most THREADS_PER_CPU per CPU of this machine."""
+    import os
+
+    limit = THREADS_PER_CPU * (os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
+        raise QliteError(f"--threads {threads!r}: must be an integer from 1 to {limit} "
+                         f"({THREADS_PER_CPU} per CPU of this machine)")
+    return threads
+
+
 def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto",
          threads: int | None = None) -> TextModel:
     """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer. `threads`: CPU threads
@@ -99,9 +113,7 @@ def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel
     from .loader import load_model
 
     if threads is not None:
-        if not isinstance(threads, int) or threads < 1:
-            raise QliteError(f"threads {threads!r}: must be a positive integer")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(checked_threads(threads))
     model_dir = Path(model_dir).expanduser()
     model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel)
     tokenizer = Tokenizer(model_dir)

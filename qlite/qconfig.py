@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .errors import QliteError
+from .fields import field_of
 from .formats import Format, Int4, Int4K, Int8, format_for_fields, format_named
 
 FORMAT_VERSION = 1
@@ -99,19 +100,21 @@ class QuantConfig:
         if version not in VERSIONS:
             raise QliteError(f"{source}: quantization format_version {version!r} is unknown to this qlite (it reads "
                              f"versions {', '.join(map(str, VERSIONS))}); upgrade qlite or re-quantize")
-        order, mixed = bool(q.get("input_order", False)), bool(q.get("module_formats"))
+        where = f"{source}: quantization_config"
+        order, mixed = field_of(q, "input_order", bool, where, False), bool(q.get("module_formats"))
         if mixed != (version == FORMAT_VERSION_MIXED) or (order != (version == FORMAT_VERSION_INPUT_ORDER)
                                                             and version != FORMAT_VERSION_MIXED):
             raise QliteError(f"{source}: format_version {version} does not match the fields it holds "
                              f"(input_order: {FORMAT_VERSION_INPUT_ORDER} or {FORMAT_VERSION_MIXED}, "
                              f"module_formats: {FORMAT_VERSION_MIXED})")
         try:
-            linear = format_for_fields(q.get("scheme", "int"), int(q["bits"]), q.get("group_size"),
-                                       bool(q.get("symmetric", False)))
+            linear = format_for_fields(field_of(q, "scheme", str, where, "int"), field_of(q, "bits", int, where),
+                                       field_of(q, "group_size", int, where, None),
+                                       field_of(q, "symmetric", bool, where, False))
             if "lm_head_format" in q:
                 head = None if q["lm_head_format"] is None else format_named(q["lm_head_format"])
             else:  # written before lm_head_format: lm_head 4-bit took the main int4 format, else int4-g128
-                bits = int(q.get("lm_head_bits", 16))
+                bits = field_of(q, "lm_head_bits", int, where, 16)
                 head = linear if bits == 4 and isinstance(linear, Int4) else table_format(bits, 128, False)
             embeddings = None if q.get("embed_format") is None else format_named(q["embed_format"])
             mixed = q.get("module_formats") or {}
@@ -128,7 +131,7 @@ class QuantConfig:
         if not set(modules) <= set(LINEAR_KINDS) or not all(isinstance(s, str) for s in skip):
             raise QliteError(f"{source}: quantization_config modules must be among {', '.join(LINEAR_KINDS)}")
         return cls(linear, head, str(q.get("method", "rtn")), modules, skip,
-                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, bool(q.get("input_order", False)),
+                   {k: v for k, v in q.items() if k not in _KNOWN_KEYS}, order,
                    embeddings, module_formats)
 
     def to_dict(self) -> dict:

@@ -12,12 +12,14 @@ import importlib.util
 from pathlib import Path
 
 from .errors import QliteError
+from .files import read_text
 
 EVAL_CODE_MODULES = ("textwrap", "argparse", "difflib", "heapq", "fractions", "statistics", "shlex", "calendar")
 CALIB_MODULES = ("inspect", "typing", "dataclasses", "pathlib", "functools", "enum", "tarfile", "csv",
                  "logging", "ast")
 PROSE_FILE = Path("/usr/share/common-licenses/GPL-3")
 BUILTIN = ("code", "prose")
+MAX_TEXT_BYTES = 2**30  # an eval or calibration text file is read whole (and tokenized): at most 1 GiB
 
 
 def module_source(name: str) -> str:
@@ -47,12 +49,12 @@ def load_text(source: str, flag: str = "--data") -> str:
             raise QliteError(f"{flag} prose: {PROSE_FILE} not found (Debian's base-files); give {flag} FILE")
         return PROSE_FILE.read_text(encoding="utf-8")
     path = Path(source)
+    if not path.exists() and not path.is_symlink():
+        raise QliteError(f"{flag} {source}: not a built-in source ({', '.join(BUILTIN)}) nor a file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise QliteError(f"{flag} {source}: not a built-in source ({', '.join(BUILTIN)}) nor a file") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise QliteError(f"{flag} {source}: not a UTF-8 text file ({e})") from None
+        text = read_text(path, limit=MAX_TEXT_BYTES)
+    except QliteError as e:
+        raise QliteError(f"{flag} {e}") from None
     if not text.strip():
         raise QliteError(f"{flag} {source}: empty")
     return text

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import read_json, read_text
 from .errors import QliteError
+from .files import read_checkpoint_json, read_text
 
 
 def _token_text(value) -> str | None:
@@ -14,20 +14,24 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def read_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer.json as an HF `tokenizers` Tokenizer (read through files.read_text)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    text = read_text(path, within=model_dir)
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise QliteError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise QliteError(f"{path}: not found")
-        try:
-            self.tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on a bad file
-            raise QliteError(f"{path}: unreadable tokenizer ({e})") from None
+        self.tok = read_tokenizer(model_dir)
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = read_json(cfg_path) if cfg_path.exists() else {}
+        cfg = read_checkpoint_json(model_dir, cfg_path.name) or {}
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
@@ -37,8 +41,8 @@ class Tokenizer:
                             None)
         self.template_origin = str(cfg_path)
         jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template, self.template_origin = read_text(jinja_file), str(jinja_file)
+        if template is None and (jinja_file.exists() or jinja_file.is_symlink()):
+            template, self.template_origin = read_text(jinja_file, within=model_dir), str(jinja_file)
         if template is not None and not isinstance(template, str):
             raise QliteError(f"{cfg_path}: chat_template is not a template string")
         self.chat_template: str | None = template

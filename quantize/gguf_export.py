@@ -15,6 +15,7 @@ from qlite.errors import QliteError
 from qlite.formats import Int4, Int8
 from qlite.gguf import gguf_name
 from qlite.outputs import atomic_output_file, check_output_file
+from qlite.tokenizer import read_tokenizer
 
 from . import foreign
 
@@ -25,13 +26,8 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 def tokenizer_metadata(src: CheckpointDir, vocab_size: int) -> tuple[list[str], list[int]]:
     """Every token id's text and GGUF token type, as llama.cpp's converter makes them: added special
     tokens are control tokens, other added tokens user-defined, ids the tokenizer lacks [PADn]."""
-    from tokenizers import Tokenizer
-
     path = src.path / "tokenizer.json"
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception type on a bad file
-        raise QliteError(f"{path}: unreadable tokenizer ({e})") from None
+    tok = read_tokenizer(src.path)
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     added = tok.get_added_tokens_decoder()
     if by_id and max(by_id) >= vocab_size:

@@ -23,7 +23,9 @@ from typing import Callable, Iterator
 import torch
 
 from qlite.checkpoint import DTYPE_NAMES, CheckpointDir
-from qlite.config import Qwen2Config, read_json
+from qlite.config import Qwen2Config
+from qlite.fields import field_of
+from qlite.files import read_checkpoint_json
 from qlite.errors import QliteError
 from qlite.formats import Format, Int4, Int8
 from qlite.outputs import atomic_output_dir, check_output
@@ -342,8 +344,8 @@ class GptqSource(ForeignSource):
     def __init__(self, src, q, where):
         super().__init__(src, q, where)
         try:
-            self.bits, group = int(q["bits"]), int(q.get("group_size", -1))
-            self.sym = bool(q.get("sym", True))
+            self.bits, group = field_of(q, "bits", int, where), field_of(q, "group_size", int, where, -1)
+            self.sym = field_of(q, "sym", bool, where, True)
         except (KeyError, TypeError, ValueError) as e:
             raise QliteError(f"{where}: malformed GPTQ quantization_config ({e})") from None
         if self.bits not in (4, 8):
@@ -406,10 +408,11 @@ class CompressedTensorsSource(ForeignSource):
             raise QliteError(f"{self.where}: {module} holds packed weights but no config group names it")
         name, w = hits[-1]
         try:
-            bits, group = int(w["num_bits"]), w.get("group_size") if w["strategy"] == "group" else None
-            if group is not None and (int(group) <= 0 or in_features % int(group)):
+            bits = field_of(w, "num_bits", int, "weights")
+            group = field_of(w, "group_size", int, "weights") if w["strategy"] == "group" else None
+            if group is not None and (group <= 0 or in_features % group):
                 raise QliteError(f"group_size {group} does not divide {module}'s input width {in_features}")
-            return foreign.qlite_format(bits, group and int(group), bool(w.get("symmetric", True)), in_features,
+            return foreign.qlite_format(bits, group, field_of(w, "symmetric", bool, "weights", True), in_features,
                                         module)
         except QliteError as e:
             raise QliteError(f"{self.where}: config_groups.{name}: {e}") from None
@@ -427,9 +430,9 @@ def foreign_quantization(src: CheckpointDir) -> tuple[dict, str]:
     """The quantization_config of config.json (or a GPTQ quantize_config.json beside it)."""
     q = src.config_dict.get("quantization_config")
     where = f"{src.path / 'config.json'}: quantization_config"
-    if q is None and (src.path / "quantize_config.json").is_file():
-        q, where = {"quant_method": "gptq", **read_json(src.path / "quantize_config.json")}, \
-            str(src.path / "quantize_config.json")
+    gptq_file = read_checkpoint_json(src.path, "quantize_config.json") if q is None else None
+    if gptq_file is not None:
+        q, where = {"quant_method": "gptq", **gptq_file}, str(src.path / "quantize_config.json")
     if not isinstance(q, dict):
         raise QliteError(f"{src.path / 'config.json'}: no quantization_config; a 16-bit checkpoint needs no import "
                          f"(qlite runs it as it is)")

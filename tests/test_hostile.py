@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qlite.cli import main
-from qlite.outputs import atomic_output_dir
+from qlite.outputs import atomic_output_dir, mark
 from tiny_models import make_checkpoint
 
 PROGRESS = re.compile(r"\d+%\|")
@@ -219,6 +219,7 @@ def test_leftovers_of_a_killed_run_are_named_and_removed(capsys, pristine, tmp_p
     if out.exists():  # it finished first; make the leftover by hand as a killed run leaves it
         shutil.rmtree(out)
         (tmp_path / ".q.tmp-killed").mkdir()
+        mark(tmp_path / ".q.tmp-killed", out)
         left = [".q.tmp-killed"]
     assert left
     assert main(["quantize", str(pristine), "--out", str(out), "--group-size", "32"]) == 0

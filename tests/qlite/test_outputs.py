@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qlite.errors import QliteError
-from qlite.outputs import atomic_output_dir, write_file_atomic
+from qlite.outputs import atomic_output_dir, mark, write_file_atomic
 
 
 def write_checkpoint_into(dst: Path) -> None:
@@ -43,10 +43,47 @@ def test_a_killed_runs_temp_dir_is_named_and_removed_by_the_next_run(tmp_path, c
 def test_a_leftover_of_a_replace_is_removed_too(tmp_path):
     dst = tmp_path / "out"
     (tmp_path / ".out.old-12345").mkdir()
+    mark(tmp_path / ".out.old-12345", dst)  # as a killed run's, after the new output was in place
     (tmp_path / ".out.old-12345" / "config.json").write_text("{}")
     (tmp_path / ".other.tmp-1").mkdir()  # another output's: not ours to touch
+    mark(tmp_path / ".other.tmp-1", tmp_path / "other")
     write_checkpoint_into(dst)
     assert sorted(os.listdir(tmp_path)) == [".other.tmp-1", "out"]
+
+
+@pytest.mark.parametrize("name", [".out.old-1", ".out.tmp-mine", ".out.tmp-x"])
+def test_a_dir_named_like_a_leftover_without_a_runs_marker_is_never_touched(tmp_path, name):
+    """mv SRC .m.old-1 && qlite quantize .m.old-1 --out m once deleted SRC: the name is no proof."""
+    mine = tmp_path / name
+    mine.mkdir()
+    (mine / "weights").write_bytes(b"precious")
+    if name.endswith("-x"):  # a marker naming another output is no proof either
+        mark(mine, tmp_path / "elsewhere")
+    write_checkpoint_into(tmp_path / "out")
+    assert (mine / "weights").read_bytes() == b"precious"
+    assert sorted(os.listdir(tmp_path)) == sorted([name, "out"])
+
+
+def test_a_run_killed_while_replacing_its_output_leaves_it_to_be_put_back(tmp_path, capfd):
+    dst = tmp_path / "out"
+    write_checkpoint_into(dst)
+    killed = ("import os; from pathlib import Path; import qlite.outputs as o\n"
+              "real = os.rename\n"
+              "def rename(a, b):\n"
+              "    real(a, b)\n"
+              "    if Path(b).name == o.REPLACED: os._exit(9)\n"  # dst moved aside, the new one not yet in place
+              "os.rename = rename\n"
+              f"with o.atomic_output_dir(Path({str(dst)!r}), force=True) as tmp:\n"
+              "    (tmp / 'config.json').write_text('new')\n")
+    assert subprocess.run([sys.executable, "-c", killed]).returncode == 9
+    assert not dst.exists()
+    write_checkpoint_into(tmp_path / "other")  # another output's run leaves it alone
+    assert not dst.exists()
+    with pytest.raises(QliteError, match="already exists"):  # put back, so no --force: no replace
+        write_checkpoint_into(dst)
+    assert f"put {dst} back in place" in capfd.readouterr().err
+    assert (dst / "config.json").read_text() == "{}"
+    assert sorted(os.listdir(tmp_path)) == ["other", "out"]
 
 
 def test_force_replaces_a_checkpoint_and_leaves_nothing_beside_it(tmp_path):
