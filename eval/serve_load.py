@@ -8,9 +8,12 @@ count runs that many clients, each streaming chat completions of different promp
 another until --requests are done: aggregate decode rate = completion tokens / wall time. --rounds
 repeats the client counts in turn (so drift in the machine's speed hits them alike) and reports the
 median (min-max) rate and ratio to 1 client over the rounds. --soak:
-8 clients, random max_tokens, some clients leaving mid-stream and some bad requests; checks every
-good request is answered, every bad one gets its 400, and the server's memory returns to its idle
-level; then Ctrl-C, which must exit 130.
+8 clients, random max_tokens, some clients leaving mid-stream and 1 request in 10 hostile (HOSTILE:
+malformed JSON and fields, a lone surrogate, an out-of-range seed, deep JSON, an oversized body,
+unknown routes, a connection that sends nothing or half a request); checks every good request is
+answered exactly as it is alone (greedy), every hostile one gets its JSON 4xx (or, sending nothing,
+is closed), the server's memory returns to its idle level and its log holds no traceback; then
+Ctrl-C, which must exit 130.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,14 +51,14 @@ def rss_mib(pid: int) -> float:
 
 
 def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | None = None) -> dict:
-    """One streaming request; returns completion tokens, time to first token, status."""
+    """One greedy streaming request; returns completion tokens, time to first token, status, text."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"messages": [{"role": "user", "content": f"Write a short Python function for {content}."}],
-            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
-    out = {"status": r.status, "tokens": 0, "ttft": None, "done": False}
+    out = {"status": r.status, "tokens": 0, "ttft": None, "done": False, "text": ""}
     if r.status != 200:
         r.read()
         conn.close()
@@ -73,8 +77,9 @@ def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | Non
             break
         event = json.loads(data)
         events += 1
-        if out["ttft"] is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
-            out["ttft"] = time.perf_counter() - t0
+        if event.get("choices") and event["choices"][0]["delta"].get("content"):
+            out["ttft"] = out["ttft"] or time.perf_counter() - t0
+            out["text"] += event["choices"][0]["delta"]["content"]
         if event.get("usage"):
             out["tokens"] = event["usage"]["completion_tokens"]
         if leave_after is not None and events >= leave_after:
@@ -85,16 +90,47 @@ def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | Non
     return out
 
 
-def bad_request(port: int, kind: int) -> int:
-    bodies = [b"{not json", json.dumps({"messages": "hi"}).encode(),
-              json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}).encode(),
-              json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-              json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 7}).encode()]
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", bodies[kind % len(bodies)], {"Content-Type": "application/json"})
-    status = conn.getresponse().status
-    conn.close()
-    return status
+HI = [{"role": "user", "content": "hi"}]
+HOSTILE = [  # (name, request bytes after the request line's path, what must come back)
+    ("not json", b"{not json", 400), ("messages not a list", {"messages": "hi"}, 400),
+    ("temperature -1", {"messages": HI, "temperature": -1}, 400), ("unknown model", {"model": "nope", "messages": HI}, 400),
+    ("max_tokens past the context", {"messages": HI, "max_tokens": 10 ** 7}, 400),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
+    ("seed 2**64", {"messages": HI, "seed": 2 ** 64}, 400), ("seed below -2**63", {"messages": HI, "seed": -2 ** 63 - 1}, 400),
+    ("stream 'false'", {"messages": HI, "stream": "false"}, 400),
+    ("stream_options a list", {"messages": HI, "stream": True, "stream_options": [1]}, 400),
+    ("deep JSON", b"[" * 100000 + b"]" * 100000, 400), ("body past the limit", b" " * (9 * 2 ** 20), 413),
+    ("unknown route", ("POST", "/v1/nothing", b"{}"), 404), ("wrong method", ("GET", "/v1/chat/completions", b""), 405),
+    ("a connection that sends nothing", "idle", None), ("half a request", "half", None),
+]
+
+
+def hostile_request(port: int, kind: int) -> bool:
+    """One hostile request of HOSTILE; whether it got what it must (its JSON error, or a close)."""
+    name, body, expect = HOSTILE[kind % len(HOSTILE)]
+    if body in ("idle", "half"):
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+            if body == "half":
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            try:
+                return s.recv(1) == b""  # closed by the server's timeout, nothing sent
+            except (ConnectionResetError, socket.timeout):
+                return False
+    method, path, data = body if isinstance(body, tuple) else ("POST", "/v1/chat/completions", body)
+    data = data if isinstance(data, bytes) else json.dumps(data).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request(method, path, data, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        payload = r.read()
+    except (ConnectionResetError, BrokenPipeError):  # a server may close on an oversized body as it refuses it
+        return expect == 413
+    finally:
+        conn.close()
+    try:
+        return r.status == expect and bool(json.loads(payload)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadline: float) -> dict:
@@ -126,13 +162,16 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
 
 def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    plan = []
+    plan, hostile = [], 0
     for i in range(requests):
         roll = rng.random()
-        plan.append(("bad", i) if roll < 0.1 else ("leave", rng.randint(1, 6)) if roll < 0.25 else
-                    ("good", rng.randint(4, 96)))
+        hostile += roll < 0.1  # the hostile kinds in turn
+        plan.append(("bad", hostile - 1) if roll < 0.1 else ("leave", rng.randint(1, 6)) if roll < 0.25 else
+                    ("good", (rng.choice(TOPICS), rng.randint(4, 96))))
+    alone = {arg: stream_chat(port, *arg)["text"] for kind, arg in plan if kind == "good"}  # one at a time
     lock = threading.Lock()
-    tally = {"good": 0, "good_answered": 0, "bad": 0, "bad_400": 0, "left": 0, "other": []}
+    tally = {"good": 0, "good_answered": 0, "good_exact": 0, "bad": 0, "bad_400": 0, "left": 0, "other": [],
+             "bad_missed": []}
 
     def client():
         while True:
@@ -141,19 +180,22 @@ def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
                     return
                 kind, arg = plan.pop()
             if kind == "bad":
-                status = bad_request(port, arg)
+                ok = hostile_request(port, arg)
                 with lock:
                     tally["bad"] += 1
-                    tally["bad_400"] += status == 400
+                    tally["bad_400"] += ok
+                    if not ok:
+                        tally["bad_missed"].append(HOSTILE[arg % len(HOSTILE)][0])
             elif kind == "leave":
                 stream_chat(port, rng.choice(TOPICS), 64, leave_after=arg)
                 with lock:
                     tally["left"] += 1
             else:
-                r = stream_chat(port, rng.choice(TOPICS), arg)
+                r = stream_chat(port, *arg)
                 with lock:
                     tally["good"] += 1
                     tally["good_answered"] += r["status"] == 200 and r["done"] and r["tokens"] >= 1
+                    tally["good_exact"] += r["text"] == alone[arg]
                     if not (r["status"] == 200 and r["done"]):
                         tally["other"].append(r)
 
@@ -183,11 +225,14 @@ def health(port: int) -> dict:
 @click.option("--time-limit", default=600.0, show_default=True, help="seconds per client count")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1, 10))
 @click.option("--soak", "soak_mode", is_flag=True)
+@click.option("--dtype", default="auto", show_default=True, help="the server's --dtype")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
-def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, md_path):
+def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, dtype, md_path):
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen([sys.executable, "-m", "qlite", "serve", "-m", str(model_dir), "--port", str(port),
-                               "--max-batch", str(max_batch), "--threads", str(threads), "--ctx", "2048"])
+                               "--max-batch", str(max_batch), "--threads", str(threads), "--ctx", "2048",
+                               "--timeout", "3", "--dtype", dtype], stderr=log)
     try:
         deadline = time.time() + 300
         while True:
@@ -213,11 +258,14 @@ def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limi
             after = rss_mib(server.pid)
             state = health(port)
             lines.append(f"soak: {requests} requests from 8 clients in {time.perf_counter() - t0:.0f} s: "
-                         f"{tally['good_answered']}/{tally['good']} good answered, {tally['bad_400']}/{tally['bad']} "
-                         f"bad got 400, {tally['left']} left mid-stream; server RSS idle {idle:.0f} MiB, after "
-                         f"{after:.0f} MiB; active {state['active']}, waiting {state['waiting']}")
+                         f"{tally['good_answered']}/{tally['good']} good answered, {tally['good_exact']}/{tally['good']} "
+                         f"as alone, {tally['bad_400']}/{tally['bad']} bad got their 4xx, {tally['left']} left "
+                         f"mid-stream; server RSS idle {idle:.0f} MiB, after {after:.0f} MiB; active {state['active']}, "
+                         f"waiting {state['waiting']}")
             if tally["other"]:
                 lines.append(f"unanswered: {tally['other'][:3]}")
+            if tally["bad_missed"]:
+                lines.append(f"hostile requests not refused as they must be: {sorted(set(tally['bad_missed']))}")
         else:
             counts = [int(c) for c in clients.split(",")]
             runs = [[run_clients(port, c, requests, max_tokens, time.time() + time_limit) for c in counts]
@@ -239,7 +287,8 @@ def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limi
             lines.append(f"\nserver RSS idle {idle:.0f} MiB, after the runs {rss_mib(server.pid):.0f} MiB")
         server.send_signal(signal.SIGINT)
         rc = server.wait(120)
-        lines.append(f"Ctrl-C: exit status {rc}")
+        log.seek(0)
+        lines.append(f"Ctrl-C: exit status {rc}; server log: {log.read().count('Traceback')} tracebacks")
     finally:
         if server.poll() is None:
             server.kill()

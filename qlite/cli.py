@@ -194,13 +194,21 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True)
-def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel):
+@click.option("--max-body-bytes", type=at_least(1024), default=8 * 2**20, show_default=True,
+              help="the largest request body taken (413 past it)")
+@click.option("--timeout", "timeout_s", type=Number(float, 0, 3600, low_open=True, rule="in (0, 3600]"), default=30.0,
+              show_default=True, help="seconds a connection may send nothing (before or during a request)")
+@click.option("--max-connections", type=at_least(1), default=256, show_default=True,
+              help="connections open at once; more are closed as they arrive")
+def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel, max_body_bytes, timeout_s,
+          max_connections):
     """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
     concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
-    from .server import serve as run
+    from .server import Limits, serve as run
 
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
-        dtype=dtype, kernel=kernel, log=lambda m: click.echo(m, err=True))
+        dtype=dtype, kernel=kernel, log=lambda m: click.echo(m, err=True),
+        limits=Limits(max_body_bytes, timeout_s, max_connections))
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
 
 

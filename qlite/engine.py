@@ -27,7 +27,7 @@ from .memory import release_freed_memory
 
 PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (longest) stays within this
 
-Event = tuple  # ("start", prompt_tokens) | ("text", piece) | ("done", finish_reason, completion_tokens) | ("error", msg)
+Event = tuple  # ("start", prompt_tokens) | ("text", piece) | ("done", finish_reason, completion_tokens) | ("error", msg, status)
 
 
 def prefill_groups(ready: list[tuple]) -> list[list[tuple]]:
@@ -131,14 +131,14 @@ class Engine:
                     self._admit()
                     if self.rows:
                         self._step()
-                except Exception as e:  # a bug must not hang every client: fail the active ones, go on
+                except Exception as e:  # a bug in a shared step must not hang every client: fail the active ones, go on
                     for seq in self.rows:
-                        seq.job.emit(("error", f"internal error: {type(e).__name__}: {e}"))
+                        seq.job.emit(("error", f"internal error: {type(e).__name__}: {e}", 500))
                     self.rows.clear()
                     self.key_mask.zero_()
                     self.cache.length = 0
         for seq in self.rows:
-            seq.job.emit(("error", "the server is shutting down"))
+            seq.job.emit(("error", "the server is shutting down", 503))
 
     def _next_job(self, admitted: int) -> Job | None:
         with self.wake:
@@ -161,12 +161,22 @@ class Engine:
                     raise QliteError(f"max_tokens {job.max_tokens}: the prompt is {len(ids)} tokens and the "
                                      f"context {self.ctx}, so at most {room} can follow")
             except QliteError as e:
-                job.emit(("error", str(e)))
+                job.emit(("error", str(e), 400))
+                continue
+            except Exception as e:  # this request's own failure (its template, its text): never another's
+                job.emit(("error", f"internal error: {type(e).__name__}: {e}", 500))
                 continue
             job.emit(("start", len(ids)))
             ready.append((job, ids, job.max_tokens or room))
         for group in prefill_groups(ready):
-            self._prefill(group)
+            rows = len(self.rows)
+            try:
+                self._prefill(group)
+            except Exception as e:  # the group's own forward failed before it joined: only its jobs fail
+                del self.rows[rows:]
+                self.key_mask[rows:] = False
+                for job, _, _ in group:
+                    job.emit(("error", f"internal error: {type(e).__name__}: {e}", 500))
 
     def _prefill(self, group: list[tuple[Job, list[int], int]]) -> None:
         """Prefill new sequences as one left-padded batch, then place them in the free rows: each
@@ -229,6 +239,13 @@ class Engine:
         self._retire()
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool, argmax: int) -> None:
+        """_pick, a failure of which ends this sequence alone."""
+        try:
+            self._pick(seq, logits, finite, argmax)
+        except Exception as e:
+            self._finish(seq, error=f"internal error: {type(e).__name__}: {e}")
+
+    def _pick(self, seq: Sequence, logits: torch.Tensor, finite: bool, argmax: int) -> None:
         """Pick the next token of one sequence from its logits (V,) (finite and argmax: what
         ops.argmax_rows found for them) and emit its text."""
         job = seq.job
@@ -266,7 +283,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str = "stop", error: str | None = None) -> None:
         seq.finished = True
         if error is not None:
-            seq.job.emit(("error", error))
+            seq.job.emit(("error", error, 500))
             return
         piece = seq.text.flush()
         if piece:

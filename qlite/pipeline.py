@@ -52,14 +52,24 @@ class TextModel:
                 messages = [{"role": "system", "content": system}] + messages
             if self.tokenizer.chat_template is None:
                 raise QliteError("a list of messages needs a chat template, and this checkpoint has none")
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return self._encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         if chat is None:
             chat = self.tokenizer.chat_template is not None
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + \
-                       [{"role": "user", "content": prompt}]
+                       [{"role": "user", "content": checked_text(prompt, "the prompt")}]
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(prompt)
+        return self._encode(checked_text(prompt, "the prompt"))
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids, each one the model has: a tokenizer.json that makes ids past config.json's
+        vocab_size is an error naming both, not an index past the embedding table."""
+        ids = self.tokenizer.encode(text)
+        vocab = self.model.config.vocab_size
+        if ids and max(ids) >= vocab:
+            raise QliteError(f"tokenizer.json gave token id {max(ids)}, past the model's vocab_size {vocab} "
+                             "(config.json): the tokenizer is not this model's")
+        return ids
 
     def params(self, **overrides) -> SamplingParams:
         given = {k: v for k, v in overrides.items() if v is not None}
@@ -85,8 +95,18 @@ def check_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise QliteError(f"messages[{i}] must be {{role: {'|'.join(ROLES)}, content: text}}")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": checked_text(m["content"], f"messages[{i}].content")})
     return out
+
+
+def checked_text(text: str, what: str) -> str:
+    """Text that is valid Unicode: JSON's "\\ud800" escape (or bytes not UTF-8 in argv) can give a
+    string with a lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise QliteError(f"{what}: not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
 
 
 THREADS_PER_CPU = 8  # the most threads a run may ask for per CPU: more only oversubscribes (and from

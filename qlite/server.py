@@ -3,23 +3,41 @@
 Starlette + uvicorn (the `serve` extra): the ASGI pair vLLM and llama-cpp-python's server use; small,
 well kept, server-sent events and client disconnects handled by the framework. Routes:
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A bad request gets a
-400 in OpenAI's error shape; a full queue a 503. Chat templates render on the engine thread, so
-their memory limit (chat_template.py) never overlaps another request's work.
+400 in OpenAI's error shape; a full queue a 503; every other status (404, 405, 413, 500) the same
+JSON shape. A request's failure is its own: nothing it sends reaches another request. Chat
+templates render on the engine thread, so their memory limit (chat_template.py) never overlaps
+another request's work.
+
+Limits (Limits, `qlite serve` flags): a request body of at most --max-body-bytes (413 past it); a
+connection that sends nothing for --timeout seconds (no request yet, or a request half sent) is
+closed; at most --max-connections open at once (more are closed as they arrive, before they hold
+anything).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
+from dataclasses import dataclass
 
 from .engine import Engine, Job
 from .errors import QliteError
 from .generate import SamplingParams
-from .pipeline import check_messages
+from .pipeline import check_messages, checked_text
 
 MAX_STOPS = 4
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+log = logging.getLogger("qlite.serve")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 8 * 2**20  # a 32k-token conversation is ~150 KB of JSON
+    timeout_s: float = 30.0  # a connection that sends nothing this long is closed
+    max_connections: int = 256  # open at once
 
 
 class BadRequest(Exception):
@@ -58,8 +76,9 @@ def job_settings(body: dict, defaults: dict) -> dict:
     if _number(body, "n", int, 1, low=1) != 1:
         raise BadRequest("n: qlite returns one choice per request", "n")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("seed must be an integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise BadRequest(f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}", "seed")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = None if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", int, None, low=1)
     params = SamplingParams(
@@ -75,17 +94,62 @@ def job_settings(body: dict, defaults: dict) -> dict:
             "frequency_penalty": _number(body, "frequency_penalty", float, 0.0, low=-2, high=2)}
 
 
-def make_app(lm, engine: Engine, model_id: str):
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {json.dumps(value)[:40]}", name)
+    return value
+
+
+def isolated(handler):
+    """A route whose every failure is this request's own answer in OpenAI's error shape: a bad
+    request a 4xx, anything else a 500 with one log line, never a traceback or another request's."""
+    import functools
+
+    @functools.wraps(handler)
+    async def run(request):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error_response(str(e), e.status, e.param)
+        except QliteError as e:
+            return error_response(str(e))
+        except Exception as e:  # a bug: this request fails, the server goes on
+            log.error("%s %s: internal error: %s: %s", request.method, request.url.path, type(e).__name__, e)
+            return error_response(f"internal error: {type(e).__name__}", 500)
+    return run
+
+
+def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     created = int(time.time())
 
     async def read_body(request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise BadRequest(f"the body is {declared} bytes, more than this server takes ({limits.max_body_bytes}; "
+                             "qlite serve --max-body-bytes)", status=413)
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise BadRequest(f"the body is more than this server takes ({limits.max_body_bytes} bytes; "
+                                     "qlite serve --max-body-bytes)", status=413)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise BadRequest("the client left before sending the whole body", status=400) from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise BadRequest("the body is not valid JSON (nested too deeply)") from None
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -97,8 +161,11 @@ def make_app(lm, engine: Engine, model_id: str):
 
     async def complete(request: Request, body: dict, prepare, chat: bool):
         settings = job_settings(body, lm.defaults)
-        stream = bool(body.get("stream", False))
-        usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
+        stream = flag(body, "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        usage_in_stream = flag(options, "include_usage")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(prepare, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), **settings)
@@ -106,7 +173,7 @@ def make_app(lm, engine: Engine, model_id: str):
             raise BadRequest("the server is busy: its queue is full, try again later", status=503)
         first = await events.get()
         if first[0] == "error":
-            raise BadRequest(first[1], "messages" if chat else "prompt")
+            raise BadRequest(first[1], "messages" if chat else "prompt", status=first[2])
         prompt_tokens = first[1]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -135,7 +202,7 @@ def make_app(lm, engine: Engine, model_id: str):
                     if ev[0] == "text":
                         pieces.append(ev[1])
                     elif ev[0] == "error":
-                        return error_response(ev[1], 500)
+                        return error_response(ev[1], ev[2])
                     else:
                         return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
                                              "choices": [choice("".join(pieces), ev[1], False)], "usage": usage(ev[2])})
@@ -170,32 +237,31 @@ def make_app(lm, engine: Engine, model_id: str):
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    @isolated
     async def chat_completions(request: Request):
+        body = await read_body(request)
         try:
-            body = await read_body(request)
-            try:
-                messages = check_messages(body.get("messages"))
-            except QliteError as e:
-                raise BadRequest(str(e), "messages") from None
-            return await complete(request, body, lambda: lm.prompt_ids(messages), chat=True)
-        except BadRequest as e:
-            return error_response(str(e), e.status, e.param)
+            messages = check_messages(body.get("messages"))
         except QliteError as e:
-            return error_response(str(e))
+            raise BadRequest(str(e), "messages") from None
+        return await complete(request, body, lambda: lm.prompt_ids(messages), chat=True)
 
+    @isolated
     async def completions(request: Request):
+        body = await read_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("prompt must be a non-empty string", "prompt")
         try:
-            body = await read_body(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("prompt must be a non-empty string", "prompt")
-            return await complete(request, body, lambda: lm.tokenizer.encode(prompt), chat=False)
-        except BadRequest as e:
-            return error_response(str(e), e.status, e.param)
+            checked_text(prompt, "prompt")
         except QliteError as e:
-            return error_response(str(e))
+            raise BadRequest(str(e), "prompt") from None
+        return await complete(request, body, lambda: lm.prompt_ids(prompt, chat=False), chat=False)
+
+    async def http_error(request: Request, exc: HTTPException):
+        return error_response(exc.detail, exc.status_code)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
@@ -209,12 +275,66 @@ def make_app(lm, engine: Engine, model_id: str):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ], exception_handlers={HTTPException: http_error})
+
+
+def guarded_protocol(limits: Limits):
+    """uvicorn's HTTP/1.1 protocol with a connection cap (a connection past it is closed as it arrives)
+    and a read timeout (one that sends nothing for timeout_s while no request is being answered is
+    closed: an idle client, or a request half sent)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        def connection_made(self, transport):
+            if len(self.connections) >= limits.max_connections:
+                transport.abort()  # before it holds anything; the client sees a closed connection
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is None or self.cycle.more_body:  # still reading a request
+                self._arm()
+
+        def _arm(self) -> None:
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(limits.timeout_s, self._idle)
+
+        def _idle(self) -> None:
+            if self.cycle is None or self.cycle.more_body or self.cycle.response_complete:
+                self.transport.close()  # a request half sent, or none: no answer is owed
+
+    return Guarded
+
+
+def server_config(app, host: str, port: int, limits: Limits = Limits(), **options):
+    """The uvicorn config qlite serves with: its guarded protocol and the same keep-alive bound."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits), timeout_keep_alive=int(max(
+        1, min(limits.timeout_s, 5))), log_level="warning", **options)
+
+
+def open_files_for(limits: Limits) -> None:
+    """Room for max_connections sockets beside the model's files: the soft open-file limit raised as
+    far as the hard one allows, or a one-line error naming the flag."""
+    try:
+        import resource
+    except ImportError:
+        return
+    need = limits.max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise QliteError(f"--max-connections {limits.max_connections}: this process may open {hard} files "
+                             f"(ulimit -n), fewer than the {need} it needs")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, ctx: int = 4096,
           max_queue: int = 64, threads: int | None = None, dtype: str = "auto", kernel: str = "auto",
-          log=print) -> None:
+          log=print, limits: Limits = Limits()) -> None:
     """Load the model, start the engine, serve until Ctrl-C (open requests finish first)."""
     try:
         import uvicorn
@@ -225,6 +345,7 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     from .pipeline import load
 
     import socket
+    open_files_for(limits)
     try:
         with socket.create_server((host, port)):
             pass
@@ -234,9 +355,9 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     engine = Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue).start()
     model_id = Path(model_dir).expanduser().resolve().name
     log(f"serving {model_id} on http://{host}:{port}/v1 (max batch {max_batch}, context {engine.ctx}, "
-        f"KV cache {engine.cache.nbytes / 2 ** 20:.0f} MiB)")
-    config = uvicorn.Config(make_app(lm, engine, model_id), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=60)
+        f"KV cache {engine.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
+        f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
+    config = server_config(make_app(lm, engine, model_id, limits), host, port, limits, timeout_graceful_shutdown=60)
     try:
         uvicorn.Server(config).run()
     finally:

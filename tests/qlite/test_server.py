@@ -20,7 +20,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from qlite.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
-from qlite.server import make_app  # noqa: E402
+from qlite.server import Limits, make_app, server_config  # noqa: E402
+
+LIMITS = Limits(max_body_bytes=64 * 1024, timeout_s=2.0, max_connections=40)
 
 PROMPTS = ["the", "he in", "a", "the the", "in the he", "he", "t", "a the in"]
 
@@ -40,7 +42,7 @@ def lm(tiny_ckpt):
 def server(lm):
     engine = Engine(lm, max_batch=8, ctx=128, max_queue=4).start()
     port = free_port()
-    config = uvicorn.Config(make_app(lm, engine, "tiny"), host="127.0.0.1", port=port, log_level="error")
+    config = server_config(make_app(lm, engine, "tiny", LIMITS), "127.0.0.1", port, LIMITS)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -207,16 +209,24 @@ def test_a_full_queue_answers_503(lm):
     assert not engine.submit(job())
 
 
-def test_soak_on_a_tiny_model(tiny_ckpt):
-    """The soak script (eval/serve_load.py) in small: random lengths, clients that leave, bad requests."""
+def test_soak_with_hostile_requests_on_a_tiny_model(tiny_ckpt):
+    """The soak script (eval/serve_load.py) in small: 8 streaming clients, random lengths, clients that
+    leave, 1 request in 10 hostile (every kind of eval.serve_load.HOSTILE at least once): every good
+    answer complete and equal to its answer alone (float32: batching is exact there), every hostile
+    request its JSON 4xx or a close, memory back to idle, no traceback in the server's log."""
+    from eval.serve_load import HOSTILE
+
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--soak", "--requests", "60",
-                        "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--soak", "--requests", "200",
+                        "--threads", "1", "--dtype", "float32"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import re
-    m = re.search(r"(\d+)/(\d+) good answered, (\d+)/(\d+) bad got 400, (\d+) left.*active 0, waiting 0", r.stdout)
-    assert m and m[1] == m[2] and m[3] == m[4], r.stdout
-    assert "Ctrl-C: exit status 130" in r.stdout
+    m = re.search(r"(\d+)/(\d+) good answered, (\d+)/\d+ as alone, (\d+)/(\d+) bad got their 4xx, (\d+) left.*"
+                  r"RSS idle (\d+) MiB, after (\d+) MiB; active 0, waiting 0", r.stdout)
+    assert m and m[1] == m[2] == m[3] and m[4] == m[5], r.stdout
+    assert int(m[5]) >= len(HOSTILE), r.stdout  # each kind at least once
+    assert int(m[8]) - int(m[7]) < 64, r.stdout  # flat: what requests used went back
+    assert "Ctrl-C: exit status 130; server log: 0 tracebacks" in r.stdout
 
 
 def test_load_script_reports_each_client_count_over_rounds(tiny_ckpt):
@@ -228,3 +238,109 @@ def test_load_script_reports_each_client_count_over_rounds(tiny_ckpt):
     rows = [line for line in r.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and rows[0].split("|")[5].strip().startswith("1.00x (1.00x-1.00x)"), r.stdout
     assert "2 round(s)" in r.stdout and "Ctrl-C: exit status 130" in r.stdout
+
+
+# Hostile requests (issue: hostile input, second pass): each fails alone, in OpenAI's JSON shape,
+# while a well-formed stream beside it is answered exactly as alone.
+
+def json_error(status_payload, status: int) -> dict:
+    got, payload = status_payload
+    assert got == status, payload
+    return json.loads(payload)["error"]
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("raw, status, needle", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "lone surrogate"),
+    (b'{"prompt": "a\\udfffb"}', 400, "lone surrogate"),
+    (json.dumps({"messages": HI, "seed": 2 ** 64}).encode(), 400, "seed must be an integer from"),
+    (json.dumps({"messages": HI, "seed": -2 ** 63 - 1}).encode(), 400, "seed must be"),
+    (json.dumps({"messages": HI, "stream": "false"}).encode(), 400, "stream must be true or false"),
+    (json.dumps({"messages": HI, "stream": True, "stream_options": [1]}).encode(), 400, "stream_options must be an object"),
+    (json.dumps({"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}}).encode(), 400,
+     "include_usage must be true or false"),
+    (b"[" * 20000 + b"]" * 20000, 400, "nested too deeply"),
+    (b" " * (LIMITS.max_body_bytes + 1), 413, "--max-body-bytes"),
+])
+def test_a_hostile_request_fails_alone_beside_a_stream(server, lm, raw, status, needle):
+    port, engine = server
+    want = lm.generate([{"role": "user", "content": "the"}], max_new_tokens=40)
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(chat, port, "the", max_tokens=40)
+        time.sleep(0.05)
+        path = "/v1/completions" if b'"prompt"' in raw else "/v1/chat/completions"
+        error = json_error(call(port, path, raw=raw), status)
+        assert good.result()["choices"][0]["message"]["content"] == want
+    assert needle in error["message"] and error["type"] == "invalid_request_error"
+    assert engine.load()["active"] == 0
+
+
+def test_a_tokenizer_id_past_the_vocabulary_fails_that_request_alone(server, lm, monkeypatch):
+    port, _ = server
+    encode = lm.tokenizer.encode
+    monkeypatch.setattr(lm.tokenizer, "encode",
+                        lambda text: [lm.model.config.vocab_size + 5] if "EVIL" in text else encode(text))
+    error = json_error(call(port, "/v1/completions", {"prompt": "EVIL", "max_tokens": 4}), 400)
+    assert "past the model's vocab_size" in error["message"] and error["param"] == "prompt"
+    assert chat(port, "the", max_tokens=4)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_an_unexpected_failure_in_one_request_is_its_own_500(server, lm, monkeypatch):
+    port, _ = server
+    prompt_ids = lm.prompt_ids
+
+    def broken(prompt, *args, **kwargs):
+        if "BOOM" in str(prompt):
+            raise RuntimeError("a bug in one request's preparation")
+        return prompt_ids(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "prompt_ids", broken)
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(chat, port, "the", max_tokens=30)
+        error = json_error(call(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "BOOM"}]}), 500)
+        assert good.result()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+
+
+@pytest.mark.parametrize("method, path, status", [("POST", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
+                                                  ("DELETE", "/health", 405)])
+def test_every_status_is_json(server, method, path, status):
+    port, _ = server
+    error = json_error(call(port, path, {} if method == "POST" else None, method=method), status)
+    assert error["message"]
+
+
+def test_a_connection_that_sends_nothing_or_half_a_request_is_closed_after_the_timeout(server):
+    port, _ = server
+    for half in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(half)
+            t0 = time.monotonic()
+            assert s.recv(1) == b""  # closed by the server, nothing answered
+            assert LIMITS.timeout_s - 0.5 < time.monotonic() - t0 < LIMITS.timeout_s + 20
+
+
+def test_connections_past_the_cap_are_closed_and_the_server_goes_on(server):
+    port, _ = server
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(LIMITS.max_connections)]
+    try:
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
+            try:
+                closed = extra.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            assert closed
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the idle ones' slots are free again
+        try:
+            if call(port, "/health", method="GET")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.1)
+    assert call(port, "/health", method="GET")[0] == 200
