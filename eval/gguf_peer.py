@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from qlite.errors import QliteError
+from qlite.files import open_regular
 from qlite.tokenizer import Tokenizer
 
 PROBE = "def add(a, b):\n    return a + b  # the sum, 2 ways\n"  # tokenized alike, or the vocabularies differ
@@ -21,6 +22,7 @@ def describe_gguf(path: Path) -> tuple[str, float, float]:
     """(format, bits per weight of the decoder's linears, size in MiB), as describe_model gives them."""
     from gguf import GGUFReader, LlamaFileType
 
+    open_regular(path).close()  # a FIFO or device is an error, not a hang
     try:
         reader = GGUFReader(path)
         file_type = LlamaFileType(int(reader.fields["general.file_type"].contents())).name.removeprefix("MOSTLY_")

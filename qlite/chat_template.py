@@ -1,7 +1,9 @@
 """Chat templates come from strangers: rendered in Jinja's immutable sandbox (no attribute tricks, no
-mutation of arguments), bounded in time, memory and output. A loop that runs too long, an operation
-that would build a huge string, list or number, memory past MAX_EXTRA_BYTES, or output past
-MAX_OUTPUT_CHARS is an error."""
+mutation of arguments), bounded in size, time, memory and output. A template longer than
+MAX_TEMPLATE_CHARS, compiling or rendering past MAX_SECONDS of this thread's CPU time (so a busy
+machine does not turn a template's own error into a timeout; WALL_SECONDS bounds the wall clock
+too), an operation that would build a huge string, list or number, memory past MAX_EXTRA_BYTES, or
+output past MAX_OUTPUT_CHARS is an error."""
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +25,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import QliteError
 
-MAX_SECONDS = 2.0
+MAX_SECONDS = 2.0  # of this thread's CPU time
+WALL_SECONDS = 60.0  # of the wall clock, however busy the machine
+MAX_TEMPLATE_CHARS = 256 << 10  # real chat templates, tools and all, are a few KB to a few tens of KB
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt is at most a context of tokens; this is far more
 MAX_EXTRA_BYTES = 512 << 20  # address space the process may grow by while rendering
 MAX_INT_ARG = 100_000  # widths, counts, repeats (Jinja's own range() bound)
@@ -129,39 +133,61 @@ def memory_headroom(extra: int):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def render_bounded(template, seconds: float = MAX_SECONDS, **context) -> str:
-    """Render within the time, memory and output bounds. Time is checked between the template's
-    steps by a tracer on this thread only, so a loop cannot run on, whatever it does; memory by an
-    address-space limit while rendering; output as it is produced."""
-    deadline = time.monotonic() + seconds
+@contextlib.contextmanager
+def time_bound(seconds: float | None = None):
+    """Inside, this thread's Python code stops with SecurityError past `seconds` of its CPU time (or
+    WALL_SECONDS of the wall clock): a tracer on this thread only checks the clocks every 64 steps,
+    so a loop cannot run on, whatever it does."""
+    seconds = MAX_SECONDS if seconds is None else seconds
+    cpu_deadline, wall_deadline = time.thread_time() + seconds, time.monotonic() + WALL_SECONDS
+    steps = 0
 
     def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise SecurityError(f"took longer than {seconds:g} s")
+        nonlocal steps
+        steps += 1
+        if not steps & 63:
+            if time.thread_time() > cpu_deadline:
+                raise SecurityError(f"took longer than {seconds:g} s")
+            if time.monotonic() > wall_deadline:
+                raise SecurityError(f"took longer than {WALL_SECONDS:g} s on the wall clock")
         return trace
 
-    pieces, size = [], 0
     previous = sys.gettrace()
-    with memory_headroom(MAX_EXTRA_BYTES):
-        sys.settrace(trace)
-        try:
-            for piece in template.generate(**context):
-                size += len(piece)
-                if size > MAX_OUTPUT_CHARS:
-                    raise SecurityError(f"output passed {MAX_OUTPUT_CHARS} characters")
-                pieces.append(piece)
-        finally:
-            sys.settrace(previous)
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def render_bounded(template, seconds: float | None = None, **context) -> str:
+    """Render within the time, memory and output bounds: time by time_bound; memory by an
+    address-space limit while rendering; output as it is produced."""
+    pieces, size = [], 0
+    with memory_headroom(MAX_EXTRA_BYTES), time_bound(seconds):
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > MAX_OUTPUT_CHARS:
+                raise SecurityError(f"output passed {MAX_OUTPUT_CHARS} characters")
+            pieces.append(piece)
     return "".join(pieces)
 
 
 class ChatTemplate:
     def __init__(self, source: str, origin: str):
         self.origin = origin  # the file it came from, for messages
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise QliteError(f"{origin}: chat template is {len(source)} characters, more than the "
+                             f"{MAX_TEMPLATE_CHARS} a template may be")
         try:
-            self.template = BoundedSandbox().from_string(source)
+            with time_bound():
+                self.template = BoundedSandbox().from_string(source)
+        except SecurityError as e:
+            raise QliteError(f"{origin}: chat template refused: compiling it {e}") from None
         except TemplateError as e:
             raise QliteError(f"{origin}: chat template does not compile: {e}") from None
+        except RecursionError:
+            raise QliteError(f"{origin}: chat template does not compile: nested too deeply") from None
 
     def render(self, **context) -> str:
         try:

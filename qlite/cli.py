@@ -467,19 +467,24 @@ def import_torch_uninterrupted() -> None:
         raise KeyboardInterrupt
 
 
-def _note_interrupts() -> tuple[list, object]:
-    """A Ctrl-C raises KeyboardInterrupt wherever Python is; inside a library's C call that catches
-    exceptions (torch converting a sequence, say) it can come out as another error. Record every
-    Ctrl-C so that main() reports such an error as the interrupt it is (exit 130)."""
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _note_interrupts() -> tuple[list, dict]:
+    """A Ctrl-C raises KeyboardInterrupt wherever Python is; SIGTERM and SIGHUP (kill, a closed
+    terminal) do the same, so that every output being written is removed and every lock let go.
+    Inside a library's C call that catches exceptions (torch converting a sequence, say) it can come
+    out as another error: record every such signal so that main() reports that error as the
+    interrupt it is (exit 130)."""
     seen: list = []
     if threading.current_thread() is not threading.main_thread():
-        return seen, None
+        return seen, {}
 
-    def on_sigint(signum, frame):
+    def on_stop(signum, frame):
         seen.append(signum)
         raise KeyboardInterrupt
 
-    return seen, signal.signal(signal.SIGINT, on_sigint)
+    return seen, {s: signal.signal(s, on_stop) for s in STOP_SIGNALS}
 
 
 def main(argv=None) -> int:
@@ -488,8 +493,8 @@ def main(argv=None) -> int:
     try:
         return _run(args, sigints)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _run(args: list, sigints: list) -> int:
@@ -524,7 +529,8 @@ def _run(args: list, sigints: list) -> int:
 
 def entry_point():
     code = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a Ctrl-C while exiting changes nothing
+    for s in STOP_SIGNALS:  # the work is done: a Ctrl-C or kill while exiting changes nothing
+        signal.signal(s, signal.SIG_IGN)
     # CPython 3.11 marks the process as killed by Ctrl-C whenever a KeyboardInterrupt leaves an exec() of
     # a string (dataclasses and others exec while modules load), even one handled later; `python -m`
     # then ends by SIGINT instead of with this code. An exec of a string that finishes clears the mark.

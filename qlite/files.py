@@ -27,8 +27,9 @@ def inside(path: Path, directory: Path) -> bool:
             and blobs.resolve() == blobs)
 
 
-def read_bytes(path: Path, within: Path | None = None, limit: int = MAX_BYTES) -> bytes:
-    """A regular file's bytes, at most `limit`; `within`: a dir the file must lie in (links resolved)."""
+def open_regular(path: Path, within: Path | None = None):
+    """A regular file opened for reading (binary): opened non-blocking (a FIFO cannot hang it) and
+    checked on the descriptor; `within`: a dir the file must lie in, links resolved."""
     path = Path(path)
     if within is not None and (path.exists() or path.is_symlink()) and not inside(path, within):
         raise QliteError(f"{path}: links to {path.resolve()}, outside {within}; refusing to read it")
@@ -38,14 +39,22 @@ def read_bytes(path: Path, within: Path | None = None, limit: int = MAX_BYTES) -
         raise QliteError(f"{path}: not found") from None
     except IsADirectoryError:
         raise QliteError(f"{path}: is a directory, not a file") from None
+    except PermissionError:
+        raise QliteError(f"{path}: permission denied (it exists, but this user may not read it)") from None
     except OSError as e:
         raise QliteError(f"{path}: unreadable ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) \
-                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file"
-            raise QliteError(f"{path}: is {kind}, not a regular file")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+        raise QliteError(f"{path}: is {kind}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: Path, within: Path | None = None, limit: int = MAX_BYTES) -> bytes:
+    """A regular file's bytes (open_regular), at most `limit`."""
+    with open_regular(path, within) as f:
         try:
             data = f.read(limit + 1)
         except OSError as e:

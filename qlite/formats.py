@@ -105,6 +105,21 @@ class Format:
         if self.group_size is not None and in_features % self.group_size:
             raise QliteError(f"group size {self.group_size} does not divide {where}'s input width {in_features}")
 
+    def check_stored(self, stored: Mapping[str, torch.Tensor]) -> str | None:
+        """What is wrong with stored values that the dtypes and shapes allow but the format does not
+        (None: nothing): checked at load, so no kernel or export sees them."""
+        return None
+
+
+def stored_problem(fmt: Format, stored: Mapping[str, torch.Tensor], input_order: torch.Tensor | None) -> str | None:
+    """What is wrong with one module's stored values (the format's own check, and an input_order that
+    is no permutation of the input columns), or None."""
+    problem = fmt.check_stored(stored)
+    if problem is None and input_order is not None and not torch.equal(
+            torch.sort(input_order.long()).values, torch.arange(input_order.numel(), device=input_order.device)):
+        problem = f"input_order is not a permutation of its {input_order.numel()} input columns"
+    return problem
+
 
 def format_named(name: str) -> Format:
     """The format with that name (int8, int8-g64, int4-g128, int4-g32-sym, nf4-b64, llm.int8)."""
@@ -136,8 +151,15 @@ def format_for_fields(scheme: str, bits: int | None, group_size: int | None, sym
 
 # --- integer grids (round to nearest; GPTQ quantizes column by column on the same grid) -------------
 
+FP16_LARGEST = 65504.0
+
+
 def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Scales rounded to float16 before codes are computed, so stored (codes, scales) agree."""
+    """Scales rounded to float16 before codes are computed, so stored (codes, scales) agree. A scale
+    past float16's range (finite weights near 1e38, say) cannot be stored: an error, not infinity."""
+    if scale.numel() and float(scale.max()) > FP16_LARGEST:
+        raise QliteError(f"weights up to {float(scale.max()):.3g} times the code range: past the largest "
+                         f"float16 scale ({FP16_LARGEST:g}); this format cannot store them")
     return scale.clamp(min=FP16_SMALLEST).half().float()
 
 
@@ -257,6 +279,10 @@ class Int4(IntFormat, scheme="int", bits=4):
     def group_scales(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Each group's scale, float32 [N, groups]."""
         return stored["scales"].float()
+
+    def check_stored(self, stored):
+        top = int(stored["zeros"].max()) if stored["zeros"].numel() else 0
+        return f"zero point {top} is past int4's codes 0..15" if top > self.hi else None
 
     def dequantize(self, stored, in_features):
         codes = unpack_int4(stored["qweight"], in_features).float()

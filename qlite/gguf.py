@@ -15,7 +15,9 @@ import torch
 
 from .checkpoint import FLOAT_DTYPES
 from .outputs import atomic_output_dir, check_output
+from .config import Qwen2Config
 from .errors import QliteError
+from .files import open_regular
 from .safetensors_io import TensorSpec, write_sharded
 
 # Qwen2's pre-tokenizer split (digits one at a time), the one its merges were learned with.
@@ -160,6 +162,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     torch_dtype = FLOAT_DTYPES.get(dtype)
     if torch_dtype is None:
         raise QliteError(f"--dtype {dtype}: choose float16, bfloat16 or float32")
+    open_regular(gguf_path).close()  # a FIFO or device is an error here, not a hang in the reader
     try:
         reader = GGUFReader(gguf_path)
     except FileNotFoundError:
@@ -175,6 +178,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError, OverflowError) as e:
         raise QliteError(f"{gguf_path}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
     config["torch_dtype"] = dtype
+    Qwen2Config.from_dict(config, source=f"{gguf_path}: its metadata as config.json")  # never write what qlite refuses
 
     def tensors():
         from tqdm import tqdm

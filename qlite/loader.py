@@ -11,6 +11,7 @@ from . import native
 from .backends import backend_named, use_backend
 from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
 from .errors import QliteError
+from .formats import stored_problem
 from .memory import large_allocations_from_mmap, release_freed_memory
 from .model import SHARED_BY_PARTS, DecoderLayer, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
@@ -90,6 +91,18 @@ def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], 
     return state
 
 
+def check_stored_values(model, ckpt: CheckpointDir) -> None:
+    """Values the dtypes and shapes allow but the format does not (an int4 zero point past 15, an
+    input_order that is no permutation of the columns): an error naming the layer, before any kernel,
+    gather or export reads them."""
+    for name, mod in model.named_modules():
+        if not hasattr(mod, "fmt") or not hasattr(mod, "stored"):
+            continue
+        problem = stored_problem(mod.fmt, mod.stored(), getattr(mod, "input_order", None))
+        if problem is not None:
+            raise QliteError(f"{ckpt.path}: {name}: {problem}")
+
+
 def float_layer(ckpt: CheckpointDir, cfg, i: int) -> DecoderLayer:
     """Decoder layer i of a 16-bit checkpoint alone, in float32 (cfg: the config without quantization):
     GPTQ's calibration and the quantization report run the source one layer at a time."""
@@ -123,6 +136,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     ckpt.check_tensors(checkpoint_shapes(layout))
     check_dtypes(ckpt, layout, {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if k not in params})
     model.load_state_dict(read_state(ckpt, layout, convert), assign=True, strict=False)
+    check_stored_values(model, ckpt)
     model.tie_weights()
     model.model.rotary.to(dev)
     use_backend(model, kernel)

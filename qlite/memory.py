@@ -15,6 +15,17 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def available_bytes() -> int | None:
+    """Memory the machine can give without swapping (MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def rss_bytes() -> int:
     """Resident memory now (anonymous plus mapped file pages)."""
     kib = _status_kib("VmRSS")

@@ -20,7 +20,7 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import IntFormat
-from qlite.memory import PeakAnonSampler
+from qlite.memory import PeakAnonSampler, available_bytes
 from qlite.loader import float_layer
 from qlite.model import Linear, RMSNorm, Rotary, Step, linear_parts
 from qlite.qconfig import DAMP, QuantConfig
@@ -43,8 +43,24 @@ def windows(ids: list[int], count: int, seqlen: int) -> list[list[int]]:
     return [ids[int(i * step):int(i * step) + seqlen] for i in range(count)]
 
 
-def calibration_ids(tokenizer: Tokenizer, source: str, nsamples: int, seqlen: int) -> torch.Tensor:
-    """(nsamples, seqlen) token ids: built-in half code, half prose; or windows of a text file."""
+CALIB_BYTES_PER_TOKEN_AND_WIDTH = 8  # float32 activations, in and out of a layer
+CALIB_BYTES_PER_TOKEN = 64  # the token ids on their way to a tensor
+
+
+def check_calibration_memory(nsamples: int, seqlen: int, hidden: int) -> None:
+    """The calibration windows' activations stay in memory through every layer: refuse up front,
+    naming the flags, what the machine cannot hold (rather than swapping or dying of OOM)."""
+    need = nsamples * seqlen * (CALIB_BYTES_PER_TOKEN_AND_WIDTH * hidden + CALIB_BYTES_PER_TOKEN)
+    free = available_bytes()
+    if free is not None and need > free:
+        raise QliteError(f"--nsamples {nsamples} --seqlen {seqlen}: the calibration activations need about "
+                         f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB this machine has available")
+
+
+def calibration_ids(tokenizer: Tokenizer, source: str, nsamples: int, seqlen: int, hidden: int) -> torch.Tensor:
+    """(nsamples, seqlen) token ids: built-in half code, half prose; or windows of a text file.
+    hidden: the model's width, for check_calibration_memory."""
+    check_calibration_memory(nsamples, seqlen, hidden)
     if source == "builtin":
         code, prose = calibration_texts()
         rows = windows(tokenizer.encode(code), nsamples - nsamples // 2, seqlen)
@@ -73,7 +89,7 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
     from tqdm import tqdm
 
     cfg = dataclasses.replace(src.config, quantization=None)  # the float layers the methods work on
-    ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen)  # (n, seqlen)
+    ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen, cfg.hidden_size)  # (n, seqlen)
     x = torch.nn.functional.embedding(ids, src.read("model.embed_tokens.weight").float())  # (n, seqlen, hidden)
     step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(seqlen)[None]), None, None, 0)
     out: dict[str, dict[str, torch.Tensor]] = {}

@@ -34,6 +34,14 @@ FLOAT_SOURCE = ("F32", "F16", "BF16")
 PARTS = {"lm_head": "lm_head", EMBEDDINGS: "embeddings"}  # output module -> part; any other: "linears"
 
 
+def quantize_tensor(src: CheckpointDir, job) -> dict[str, torch.Tensor]:
+    """One job's source tensor in its format (round to nearest); a failure names the tensor."""
+    try:
+        return job.fmt.quantize(src.read(job.source))
+    except QliteError as e:
+        raise QliteError(f"{src.tensors[job.source].file}: tensor {job.source}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Job:
     source: str  # the source tensor
@@ -227,6 +235,6 @@ def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig
     src, out = source_and_output(src, out, qconfig, force)
     plan = plan_conversion(src, qconfig, report)
     with PeakAnonSampler() as mem:
-        written = write_quantized(plan, out, lambda job: job.fmt.quantize(plan.src.read(job.source)), force,
+        written = write_quantized(plan, out, lambda job: quantize_tensor(plan.src, job), force,
                                   max_shard_bytes, progress, report)
     return plan.summary(out, time.perf_counter() - t0, mem.peak, written)

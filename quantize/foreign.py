@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qlite.errors import QliteError
-from qlite.formats import Format, Int4, Int8, pack_int4, unpack_int4
+from qlite.formats import Format, Int4, Int8, pack_int4, stored_problem, unpack_int4
 
 assert sys.byteorder == "little", "quantize.foreign packs through little-endian byte views"
 
@@ -287,3 +287,17 @@ def to_gguf_blocks(fmt: Format, stored: dict[str, torch.Tensor], in_features: in
             z = zu.repeat_interleave(group // GGUF_BLOCK, dim=1).float()  # (N, nb)
             fields.insert(1, _fp16_bytes(-z * d.float()))
     return kind, torch.cat(fields, dim=-1).reshape(N, nb * GGUF_BLOCK_BYTES[kind])
+
+
+def read_module(src, module: str, fmt: Format, qcfg
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A qlite module's stored tensors and input_order (None when absent or the identity), their
+    values checked (formats.stored_problem): nothing past the format's codes reaches another engine."""
+    stored = {name: src.read(f"{module}.{name}") for name in fmt.stored_shapes(1, 1)}
+    order = src.read(f"{module}.input_order") if qcfg is not None and qcfg.input_order else None
+    problem = stored_problem(fmt, stored, order)
+    if problem is not None:
+        raise QliteError(f"{src.path}: {module}: {problem}")
+    if order is not None and torch.equal(order.long(), torch.arange(order.numel())):
+        order = None
+    return stored, order

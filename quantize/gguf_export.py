@@ -77,7 +77,7 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]
 
             def blocks(m=module, f=fmt, k=k):
-                stored = {s: src.read(f"{m}.{s}") for s in f.stored_shapes(1, 1)}
+                stored = foreign.read_module(src, m, f, None)[0]
                 return foreign.to_gguf_blocks(f, stored, k, m)[1].numpy()
             plan.append((gguf_name(f"{module}.weight"), ((n, row_bytes), np.uint8, n * row_bytes,
                                                          getattr(GGMLQuantizationType, kind)), blocks))

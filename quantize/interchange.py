@@ -125,15 +125,6 @@ def _in_features(src: CheckpointDir, module: str, fmt: Format) -> int:
     return groups * fmt.group_size  # int4: qweight holds ceil(K/2) bytes; the groups say K exactly
 
 
-def read_module(src: CheckpointDir, module: str, fmt: Format, qcfg: QuantConfig
-                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    stored = {name: src.read(f"{module}.{name}") for name in fmt.stored_shapes(1, 1)}
-    order = src.read(f"{module}.input_order") if qcfg.input_order else None
-    if order is not None and torch.equal(order.long(), torch.arange(order.numel())):
-        order = None
-    return stored, order
-
-
 def export_checkpoint(src: str | Path, to: str, out: str | Path, force: bool = False, gptq_format: str = "auto",
                       progress: bool = True) -> list[str]:
     """Write `src` (a qlite checkpoint dir) for another engine; returns notes on what did not map
@@ -175,7 +166,7 @@ def float16_job(src: CheckpointDir, module: str, fmt: Format, in_features: int) 
     """A quantized module written as its dequantized float16 weight."""
     n = src.tensors[f"{module}.qweight"].shape[0]
     return Job([TensorSpec(f"{module}.weight", torch.float16, (n, in_features))], lambda: {
-        f"{module}.weight": fmt.dequantize(read_module(src, module, fmt, src.config.quantization)[0], in_features).half()})
+        f"{module}.weight": fmt.dequantize(foreign.read_module(src, module, fmt, src.config.quantization)[0], in_features).half()})
 
 
 def embedding_notes(qcfg: QuantConfig, target: str) -> list[str]:
@@ -205,7 +196,7 @@ def export_compressed_tensors(src, out, cfg, qcfg, layers, force, progress) -> l
         fmt, (n, k) = qcfg.format_for(module), layers[module]
         specs = [TensorSpec(f"{module}.{s}", dt, shape) for s, (dt, shape) in foreign.ct_shapes(fmt, n, k).items()]
         return Job(specs, lambda: {f"{module}.{s}": t for s, t in foreign.to_compressed_tensors(
-            fmt, read_module(src, module, fmt, qcfg)[0], k, module).items()})
+            fmt, foreign.read_module(src, module, fmt, qcfg)[0], k, module).items()})
 
     output = export_plan(src, layers, module_job)
     groups, ignore = {}, sorted(m for m in linear_modules(expected_tensors(_unquantized(cfg)))
@@ -276,7 +267,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
 
 def _gptq_tensors(src: CheckpointDir, module: str, fmt: Format, qcfg: QuantConfig, in_features: int, v1: bool
                   ) -> dict[str, torch.Tensor]:
-    stored, order = read_module(src, module, fmt, qcfg)
+    stored, order = foreign.read_module(src, module, fmt, qcfg)
     return {f"{module}.{s}": t for s, t in foreign.to_gptq(fmt, stored, in_features, order, v1, module).items()}
 
 
@@ -368,8 +359,30 @@ class GptqSource(ForeignSource):
         return foreign.from_gptq(fmt, self.tensors_of(module), *shape, self.v1, f"{self.src.path}: {module}")
 
 
-def _matches(targets, module: str) -> bool:
-    return any(t == "Linear" or t == module or (t.startswith("re:") and re.match(t[3:], module)) for t in targets)
+TARGET_SECONDS = 1.0  # a `re:` target may take this long to match one module name
+
+
+def _matches(targets, module: str, where: str) -> bool:
+    """Whether a compressed-tensors target list names module: "Linear", the name, or "re:PATTERN".
+    Patterns come from the checkpoint: matched with a time bound (the `regex` package's timeout), so
+    one that backtracks without end is an error naming it, not a hang."""
+    import regex
+
+    for t in targets:
+        if not isinstance(t, str):
+            raise QliteError(f"{where}: target {t!r} is not a string")
+        if t == "Linear" or t == module:
+            return True
+        if t.startswith("re:"):
+            try:
+                if regex.match(t[3:], module, timeout=TARGET_SECONDS):
+                    return True
+            except TimeoutError:
+                raise QliteError(f"{where}: target {t[:80]!r} took longer than {TARGET_SECONDS:g} s to match "
+                                 f"{module}; simplify the pattern") from None
+            except regex.error as e:
+                raise QliteError(f"{where}: target {t[:80]!r} is not a regular expression ({e})") from None
+    return False
 
 
 class CompressedTensorsSource(ForeignSource):
@@ -401,10 +414,13 @@ class CompressedTensorsSource(ForeignSource):
                                  f"qlite reads int weights by group or channel")
             self.groups.append((name, g["targets"], w))
         self.ignore = q.get("ignore") or []
+        if not isinstance(self.ignore, list):
+            raise QliteError(f"{where}: ignore must be a list of module names or re: patterns")
 
     def module_format(self, module, in_features):
-        hits = [(name, w) for name, targets, w in self.groups if _matches(targets, module)]
-        if not hits or _matches(self.ignore, module):
+        hits = [(name, w) for name, targets, w in self.groups
+                if _matches(targets, module, f"{self.where}: config_groups.{name}.targets")]
+        if not hits or _matches(self.ignore, module, f"{self.where}: ignore"):
             raise QliteError(f"{self.where}: {module} holds packed weights but no config group names it")
         name, w = hits[-1]
         try:

@@ -168,4 +168,5 @@ def calibration_windows(src: CheckpointDir, windows: int = WINDOWS, seqlen: int 
     """(windows, seqlen) ids of the built-in calibration text (half code, half prose), as GPTQ reads it."""
     from .calibrate import calibration_ids
 
-    return calibration_ids(Tokenizer(src.path), "builtin", windows, min(seqlen, src.config.max_position_embeddings))
+    return calibration_ids(Tokenizer(src.path), "builtin", windows, min(seqlen, src.config.max_position_embeddings),
+                           src.config.hidden_size)

@@ -54,7 +54,7 @@ def test_calibration_windows_and_builtin_text(setup):
     with pytest.raises(QliteError, match="fewer than --seqlen 200"):
         windows(list(range(100)), 2, 200)
     base, _ = setup
-    ids = calibration_ids(Tokenizer(base), "builtin", 5, 32)
+    ids = calibration_ids(Tokenizer(base), "builtin", 5, 32, 64)
     assert ids.shape == (5, 32)
 
 
