@@ -14,7 +14,7 @@ import torch
 
 from .config import Qwen2Config
 from .errors import QliteError
-from .files import inside, read_json
+from .files import inside, open_regular, read_json
 from .memory import drop_pages
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -183,13 +183,19 @@ class CheckpointDir:
             raise QliteError(f"{self.path}: missing tensor {missing[0]}{more}")
 
     def side_files(self) -> list[Path]:
-        """The regular files other than config and weights (tokenizer, generation config, chat
-        template, ...); a link is followed only while it stays inside the checkpoint dir."""
-        files = [f for f in sorted(self.path.iterdir()) if f.is_file() and f.name not in ("config.json", INDEX_NAME)
-                 and not f.name.endswith(WEIGHT_SUFFIXES)]
-        for f in files:
-            if not inside(f, self.path):
+        """The files other than config and weights (tokenizer, generation config, chat template, ...),
+        copied as they are: each a regular file inside the checkpoint dir, links resolved (a FIFO,
+        device or link out is an error, not a file silently left behind). Subdirs are not copied."""
+        files = []
+        for f in sorted(self.path.iterdir()):
+            if f.name in ("config.json", INDEX_NAME) or f.name.endswith(WEIGHT_SUFFIXES):
+                continue
+            if (f.is_symlink() or f.exists()) and not inside(f, self.path):
                 raise QliteError(f"{f}: links to {f.resolve()}, outside the checkpoint dir; refusing to read it")
+            if f.is_dir():
+                continue
+            open_regular(f, within=self.path).close()  # a FIFO or device: an error naming it
+            files.append(f)
         return files
 
 

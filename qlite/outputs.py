@@ -25,21 +25,24 @@ except ImportError:  # Windows: no advisory locks; outputs are still written ato
     fcntl = None
 
 
-def check_output(dst: Path, force: bool, inputs=()) -> None:
+def check_output(dst: Path, force: bool, inputs=(), flag: str = "--out") -> None:
     """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
     with config.json) that holds none of the inputs: never an input itself or a dir above one, never
-    a plain file or a dir that is not a checkpoint."""
+    a plain file, a dir that is not a checkpoint, or the current dir. Errors name the flag."""
     dst = Path(dst)
     for path in inputs:
         path = Path(path).resolve()
         if dst.resolve() == path or dst.resolve() in path.parents:
-            raise QliteError(f"{dst}: holds the input {path}; choose another output")
+            raise QliteError(f"{flag} {dst}: holds the input {path}; choose another output")
     if not dst.exists() and not dst.is_symlink():
         return
     if not force:
-        raise QliteError(f"{dst}: already exists (use --force to replace it)")
+        raise QliteError(f"{flag} {dst}: already exists (use --force to replace it)")
     if dst.is_symlink() or not dst.is_dir() or not (dst / "config.json").is_file():
-        raise QliteError(f"{dst}: --force replaces only a checkpoint dir (one with config.json), and this is not one")
+        raise QliteError(f"{flag} {dst}: --force replaces only a checkpoint dir (one with config.json), and this is "
+                         "not one")
+    if dst.resolve() == Path.cwd().resolve():
+        raise QliteError(f"{flag} {dst}: is the current dir, which cannot be replaced; write elsewhere")
 
 
 def _lock(path: Path) -> int | None:
@@ -118,19 +121,19 @@ REPLACED = "replaced"  # inside an .old- dir: the output being replaced, until t
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: Path, force: bool = False, inputs=()):
+def atomic_output_dir(dst: Path, force: bool = False, inputs=(), flag: str = "--out"):
     """Yield a temporary dir beside dst, claimed by this process; on success it replaces dst, on any
     failure it is removed. dst is checked first (check_output) and again before the move, so a dir
     that appeared meanwhile is never replaced without --force."""
-    dst = Path(dst)
-    check_output(dst, force, inputs)
+    check_output(dst, force, inputs, flag)
+    dst = Path(os.path.abspath(dst))  # "out/.." or "." has no name to put beside it
     dst.parent.mkdir(parents=True, exist_ok=True)
     _claim_leftovers(dst)
     tmp, fd = _claimed_dir(dst, "tmp")
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary dir
     try:
         yield tmp
-        check_output(dst, force, inputs)
+        check_output(dst, force, inputs, flag)
         if dst.exists():
             old, old_fd = _claimed_dir(dst, "old")
             try:

@@ -49,7 +49,8 @@ def fails_cleanly(capsys, root: Path, args, *needles: str) -> str:
     before = snapshot(root)
     code = main([str(a) for a in args])
     _, err = capsys.readouterr()
-    lines = [line for line in err.strip().splitlines() if not PROGRESS.search(line)]  # tqdm's bars may precede it
+    lines = [line for line in err.strip().splitlines()  # tqdm's bars (and the blanks that clear them) may precede it
+             if not PROGRESS.search(line) and line.strip()]
     assert code != 0 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err and "QLITE_DEBUG" not in err, err
     for needle in needles:

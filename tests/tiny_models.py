@@ -105,8 +105,9 @@ def tiny_vocab():
     return tokens, types, merges
 
 
-def write_tiny_gguf(path, arch="qwen2"):
-    """A tiny qwen2 GGUF written with gguf's own writer (some tensors Q8_0); returns the float source tensors."""
+def write_tiny_gguf(path, arch="qwen2", head_count=HEADS, rms_eps=1e-6):
+    """A tiny qwen2 GGUF written with gguf's own writer (some tensors Q8_0); returns the float source tensors.
+    head_count, rms_eps: the metadata only (a hostile file's lies), the tensors keep HEADS' shapes."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -118,10 +119,10 @@ def write_tiny_gguf(path, arch="qwen2"):
     w.add_context_length(128)
     w.add_embedding_length(H)
     w.add_feed_forward_length(I)
-    w.add_head_count(HEADS)
+    w.add_head_count(head_count)
     w.add_head_count_kv(GGUF_KV)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
