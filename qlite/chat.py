@@ -1,7 +1,7 @@
 """`qlite chat`: a multi-turn conversation in the terminal. The whole history is rendered by the chat
 template every turn; when it no longer fits the context (with room for the reply), the oldest turns
 are dropped (the system message stays) and a notice says so. /reset clears the history, /exit (or
-end of input) leaves."""
+end of input) leaves, /help lists the commands. A line that is not UTF-8 is skipped with a notice."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -58,27 +58,35 @@ class Conversation:
         return answer
 
 
+HELP = "/reset clears the history, /exit or /quit leaves, /help shows this"
+
+
 def run_chat(conv: Conversation, stdin: TextIO, out: Callable[[str], None], err: Callable[[str], None],
              interactive: bool) -> None:
     """Read user lines until /exit or end of input; stream each reply to `out`."""
     if conv.lm.tokenizer.chat_template is None:
         raise QliteError("qlite chat needs a checkpoint with a chat template; use qlite generate --raw")
     if interactive:
-        err("qlite chat: /reset clears the history, /exit leaves\n")
+        err(f"qlite chat: {HELP}\n")
     while True:
         if interactive:
             err("> ")
-        try:
-            line = stdin.readline()
-            line.encode("utf-8")  # a stdin decoded with surrogateescape holds undecodable bytes as surrogates
-        except (UnicodeDecodeError, UnicodeEncodeError):
-            raise QliteError("stdin: a line that is not UTF-8 text") from None
+        line = stdin.readline()
         if not line:
             return
+        try:
+            line.encode("utf-8")  # a stdin decoded with surrogateescape holds undecodable bytes as surrogates
+        except UnicodeEncodeError:
+            err("error: stdin: that line is not UTF-8 text; skipped\n")
+            continue
         text = line.rstrip("\n")
-        if text.strip() == "/exit":
+        command = text.strip()
+        if command in ("/exit", "/quit"):
             return
-        if text.strip() == "/reset":
+        if command == "/help":
+            err(HELP + "\n")
+            continue
+        if command == "/reset":
             conv.turns.clear()
             err("(history cleared)\n")
             continue

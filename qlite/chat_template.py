@@ -160,15 +160,15 @@ def time_bound(seconds: float | None = None):
         sys.settrace(previous)
 
 
-def render_bounded(template, seconds: float | None = None, **context) -> str:
+def render_bounded(template, seconds: float | None = None, max_output: int = MAX_OUTPUT_CHARS, **context) -> str:
     """Render within the time, memory and output bounds: time by time_bound; memory by an
     address-space limit while rendering; output as it is produced."""
     pieces, size = [], 0
     with memory_headroom(MAX_EXTRA_BYTES), time_bound(seconds):
         for piece in template.generate(**context):
             size += len(piece)
-            if size > MAX_OUTPUT_CHARS:
-                raise SecurityError(f"output passed {MAX_OUTPUT_CHARS} characters")
+            if size > max_output:
+                raise SecurityError(f"output passed {max_output} characters")
             pieces.append(piece)
     return "".join(pieces)
 
@@ -190,8 +190,12 @@ class ChatTemplate:
             raise QliteError(f"{origin}: chat template does not compile: nested too deeply") from None
 
     def render(self, **context) -> str:
+        """The output bound is MAX_OUTPUT_CHARS beyond twice what the messages hold: a long message is
+        the user's (the context check names it), not the template's doing."""
+        given = sum(len(m.get("content") or "") for m in context.get("messages") or () if isinstance(m, dict)
+                    and isinstance(m.get("content") or "", str))
         try:
-            return render_bounded(self.template, **context)
+            return render_bounded(self.template, max_output=MAX_OUTPUT_CHARS + 2 * given, **context)
         except SecurityError as e:
             raise QliteError(f"{self.origin}: chat template refused: {e}") from None
         except TemplateError as e:

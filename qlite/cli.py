@@ -177,7 +177,9 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    run_chat(Conversation(lm, params, context, system), sys.stdin, out, lambda m: click.echo(m, nl=False, err=True),
+    import io  # lines as UTF-8, bytes that are not held as surrogates: run_chat skips such a line, not the session
+    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape") if sys.stdin else sys.stdin
+    run_chat(Conversation(lm, params, context, system), stdin, out, lambda m: click.echo(m, nl=False, err=True),
              interactive)
 
 

@@ -122,7 +122,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor 
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1)
-    logits, ids = logits / params.temperature, None
+    # shifted so the largest is 0 first: a tiny temperature (1e-300) then sends the rest to -inf, as its
+    # limit (greedy) does, instead of overflowing every logit to inf
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)  # not 0 in the logits' dtype
+    logits, ids = (logits - logits.amax(-1, keepdim=True)) / temperature, None
     if 0 < params.top_k < logits.shape[-1]:
         logits, ids = top_k_candidates(logits, params.top_k)  # (B, n): the rest has probability 0
         logits = filter_top_p(logits, params.top_p)

@@ -145,11 +145,23 @@ def atomic_output_dir(dst: Path, force: bool = False, inputs=(), flag: str = "--
         else:
             os.rename(tmp, dst)
         (dst / MARKER).unlink()  # the proof stays with the temporary dir until it is the output
+    except OSError as e:  # no space, too big, no permission: blamed on the output, not its temporary name
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(e, tmp, f"{flag} {dst}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         os.close(fd)
+
+
+def write_error(e: OSError, tmp: Path, output: str) -> QliteError:
+    """An OSError met while writing into tmp, as one line naming the output (or the file it was
+    about, when that is not in tmp: a source that vanished, say)."""
+    name = str(e.filename or "")
+    if not name or name.startswith(str(tmp)):
+        return QliteError(f"{output}: cannot be written ({e.strerror or e})")
+    return QliteError(f"{name}: {e.strerror or e}")
 
 
 @contextlib.contextmanager
@@ -163,6 +175,9 @@ def atomic_output_file(path: Path):
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise write_error(e, Path(tmp), str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -442,3 +442,13 @@ def test_a_token_id_past_the_vocabulary_names_the_tokenizer(capsys, ckpt, tmp_pa
     (ckpt / "tokenizer.json").write_text(json.dumps(tok))
     fails_cleanly(capsys, tmp_path, ["generate", "-m", ckpt, "-p", "a <|far|> b", "--raw"],
                   "tokenizer.json gave token id 700, past the model's vocab_size 512")
+
+
+def test_a_file_size_limit_names_the_output_not_its_temp_dir(pristine, tmp_path):
+    """EFBIG (ENOSPC alike) while writing: one line naming --out, nothing left behind."""
+    out = tmp_path / "q"
+    r = subprocess.run(["bash", "-c", f'ulimit -f 64 && exec "{sys.executable}" -m qlite quantize "{pristine}" '
+                        f'--out "{out}" --group-size 32 --no-report'], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = one_line((r.returncode, r.stderr), f"--out {out}: cannot be written (File too large)")
+    assert ".tmp-" not in line and sorted(tmp_path.iterdir()) == []

@@ -88,5 +88,5 @@ def test_task_files_round_trip_and_bad_files_are_named(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"name": "x"}) + "\n")
     with pytest.raises(QliteError, match="bad.jsonl:1: not a task"):
         load_tasks(str(tmp_path / "bad.jsonl"))
-    with pytest.raises(QliteError, match="--tasks .*missing.jsonl: unreadable"):
+    with pytest.raises(QliteError, match="--tasks .*missing.jsonl: not found"):
         load_tasks(str(tmp_path / "missing.jsonl"))

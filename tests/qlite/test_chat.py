@@ -56,6 +56,14 @@ def test_chat_command(tiny_ckpt):
     assert r.returncode == 0, r.stderr
     want = load(tiny_ckpt, dtype="float32").generate([{"role": "user", "content": "the"}], max_new_tokens=5)
     assert r.stdout == want + "\n"
-    r = subprocess.run([sys.executable, "-m", "qlite", "chat", "-m", str(tiny_ckpt)], input=b"\xff\xfe\n",
-                       capture_output=True, env=env, timeout=120)
-    assert r.returncode == 1 and r.stderr.decode().strip() == "error: stdin: a line that is not UTF-8 text"
+    r = subprocess.run([sys.executable, "-m", "qlite", "chat", "-m", str(tiny_ckpt), "--max-new-tokens", "5",
+                        "--dtype", "float32"], input=b"\xff\xfe\n/help\nthe\n/quit\nhe\n", capture_output=True,
+                       env=env, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "error: stdin: that line is not UTF-8 text; skipped" in err, err  # the session goes on
+    assert "/exit or /quit leaves" in err and r.stdout.decode() == want + "\n"  # /help answered; /quit before "he"
+
+
+def test_a_megabyte_message_is_refused_by_the_context_not_the_template(lm):
+    replies, err, _ = chat(lm, ["x " * 500_000, "the"], context=64, max_new_tokens=4)
+    assert "error: this message is" in err and "template" not in err and len(replies) == 1

@@ -174,3 +174,11 @@ def test_python_api_takes_messages_threads_and_home_paths(tiny_ckpt, monkeypatch
             lm.prompt_ids(bad)
     with pytest.raises(QliteError, match="threads 0"):
         qlite.load(tiny_ckpt, threads=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 5e-324])
+def test_a_tiny_temperature_samples_as_its_limit_greedy_does(temperature):
+    """logits / 1e-300 once overflowed to inf and blamed the weights ("overflowed")."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9], [3.0, -3.0, 0.0, 2.5]])
+    tokens = next_token(logits, SamplingParams(temperature=temperature), None, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 0]
