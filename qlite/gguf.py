@@ -178,7 +178,11 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError, OverflowError) as e:
         raise QliteError(f"{gguf_path}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
     config["torch_dtype"] = dtype
-    Qwen2Config.from_dict(config, source=f"{gguf_path}: its metadata as config.json")  # never write what qlite refuses
+    cfg = Qwen2Config.from_dict(config, source=f"{gguf_path}: its metadata as config.json")  # never write what qlite refuses
+    embed = next((s.shape for s in specs if s.name == "model.embed_tokens.weight"), None)
+    if embed is not None and embed != (cfg.vocab_size, cfg.hidden_size):
+        raise QliteError(f"{gguf_path}: tokenizer.ggml.tokens lists {cfg.vocab_size} tokens and embedding_length is "
+                         f"{cfg.hidden_size}, but token_embd.weight is {embed[0]} x {embed[1]}")
 
     def tensors():
         from tqdm import tqdm

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import QliteError
+from .fields import field_of, is_int
 from .files import read_checkpoint_json
 from .generate import SamplingParams, stream_text
 from .tokenizer import Tokenizer
@@ -15,11 +16,12 @@ def sampling_defaults(model_dir: Path) -> dict:
     """Sampling settings from generation_config.json; greedy unless it asks for sampling."""
     path = model_dir / "generation_config.json"
     gen = read_checkpoint_json(model_dir, path.name) or {}
-    if not gen.get("do_sample"):
+    if not field_of(gen, "do_sample", bool, str(path), False):
         return {}
     keys = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float}
+    defaults = {k: field_of(gen, k, kind, str(path), None) for k, kind in keys.items()}
+    defaults = {k: v for k, v in defaults.items() if v is not None}
     try:
-        defaults = {k: cast(gen[k]) for k, cast in keys.items() if gen.get(k) is not None}
         SamplingParams(**defaults)  # checked here, so that a bad value names this file
     except (TypeError, ValueError, QliteError) as e:
         raise QliteError(f"{path}: {e}") from None
@@ -29,7 +31,11 @@ def sampling_defaults(model_dir: Path) -> dict:
 def eos_token_ids(model_dir: Path, config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:
     ids = set(config_eos)
     gen_eos = (read_checkpoint_json(model_dir, "generation_config.json") or {}).get("eos_token_id")
-    ids.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+    if not all(is_int(e) for e in gen_eos):
+        raise QliteError(f"{model_dir / 'generation_config.json'}: eos_token_id must be an integer or a list of "
+                         f"integers, got {gen_eos!r}"[:300])
+    ids.update(gen_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

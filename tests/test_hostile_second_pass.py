@@ -18,12 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_hostile import edit_json, fails_cleanly, snapshot
+from test_hostile import SIZES, ckpt, edit_json, fails_cleanly, pristine, snapshot  # noqa: F401 (fixtures)
 from tiny_models import make_checkpoint, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1)
 
 
 def run(*args, timeout=300, env=None):
@@ -47,16 +45,6 @@ def one_line(status_err, *needles):
 def ok(status_err):
     status, err = status_err
     assert status == 0, f"exit {status}: {err[-2000:]}"
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("second") / "ckpt", seed=11, **SIZES)
-
-
-@pytest.fixture
-def ckpt(pristine, tmp_path):
-    return Path(shutil.copytree(pristine, tmp_path / "ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -452,3 +440,79 @@ def test_a_file_size_limit_names_the_output_not_its_temp_dir(pristine, tmp_path)
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = one_line((r.returncode, r.stderr), f"--out {out}: cannot be written (File too large)")
     assert ".tmp-" not in line and sorted(tmp_path.iterdir()) == []
+
+
+# the sweep: every side file as every kind of thing that is not a regular file inside the checkpoint
+
+KINDS = ["fifo", "device", "link to /dev/zero", "link outside", "dangling link", "directory"]
+
+
+def make_kind(path: Path, kind: str, secret: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.mknod(path, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 5))  # a /dev/zero of its own
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "link outside":
+        path.symlink_to(secret)
+    elif kind == "dangling link":
+        path.symlink_to(path.parent / "nowhere" / "x")
+    else:
+        path.mkdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_side_file_as_every_kind_of_non_file(capsys, pristine, tmp_path, secret, kind):
+    """generate, info and quantize on a checkpoint with one side file (or the index) replaced: each
+    run ends, within its alarm, in success (a file that command does not read) or one line naming that
+    file; nothing outside is read, the checkpoint is unchanged."""
+    from qlite.cli import main
+
+    for name in [*SIDE_FILES, "model.safetensors.index.json"]:
+        ckpt = Path(shutil.copytree(pristine, tmp_path / "ckpt", dirs_exist_ok=True))
+        edit_json(ckpt / "tokenizer_config.json", chat_template=None)  # so chat_template.jinja is read
+        make_kind(ckpt / name, kind, secret)
+        before = {p.name: p.lstat().st_mode for p in ckpt.iterdir()}
+        for args in (["generate", "-m", ckpt, "-p", "hi", "--max-new-tokens", "2"], ["info", ckpt],
+                     ["quantize", ckpt, "--out", tmp_path / "q", "--group-size", "32", "--no-report"]):
+            signal.alarm(60)  # a hang fails the test instead of the run
+            try:
+                code = main([str(a) for a in args])
+            finally:
+                signal.alarm(0)
+            out, err = capsys.readouterr()
+            assert "s3cr3t" not in out + err and "Traceback" not in err
+            lines = [line for line in err.strip().splitlines() if line.strip() and "%|" not in line]
+            if name == "config.json" or (name == "tokenizer.json" and args[0] == "generate"):
+                assert code, (name, args[0], "must be read, so must fail")
+            if code:
+                assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0], (name, args[0], err)
+            shutil.rmtree(tmp_path / "q", ignore_errors=True)
+        assert {p.name: p.lstat().st_mode for p in ckpt.iterdir()} == before
+        shutil.rmtree(ckpt)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(do_sample="false"), "do_sample must be true or false, got 'false'"),
+    (dict(do_sample=True, temperature="0.7"), "temperature must be a number, got '0.7'"),
+    (dict(do_sample=True, top_k=5.5), "top_k must be an integer"),
+    (dict(eos_token_id="263"), "eos_token_id must be an integer"),
+])
+def test_generation_config_values_are_never_coerced(capsys, ckpt, tmp_path, changes, needle):
+    edit_json(ckpt / "generation_config.json", **changes)
+    fails_cleanly(capsys, tmp_path, ["generate", "-m", ckpt, "-p", "hi"], "generation_config.json", needle)
+
+
+def test_a_gguf_whose_vocabulary_lies_about_the_embedding_is_refused(capsys, tmp_path, monkeypatch):
+    import gguf
+    add_tokens, add_types = gguf.GGUFWriter.add_token_list, gguf.GGUFWriter.add_token_types
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_list", lambda self, t: add_tokens(self, [*t, "zz1", "zz2"]))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_types", lambda self, t: add_types(self, [*t, 1, 1]))
+    write_tiny_gguf(tmp_path / "m.gguf")  # two more tokens listed than the embedding has rows
+    fails_cleanly(capsys, tmp_path, ["import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
+                  "tokenizer.ggml.tokens lists", "but token_embd.weight is")
