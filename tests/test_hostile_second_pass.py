@@ -516,3 +516,24 @@ def test_a_gguf_whose_vocabulary_lies_about_the_embedding_is_refused(capsys, tmp
     write_tiny_gguf(tmp_path / "m.gguf")  # two more tokens listed than the embedding has rows
     fails_cleanly(capsys, tmp_path, ["import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
                   "tokenizer.ggml.tokens lists", "but token_embd.weight is")
+
+
+def test_calibration_larger_than_memory_is_refused_up_front(capsys, pristine, tmp_path):
+    fails_cleanly(capsys, tmp_path, ["quantize", pristine, "--method", "gptq", "--nsamples", "1000000000",
+                                     "--seqlen", "128", "--group-size", "32", "--out", tmp_path / "q"],
+                  "--nsamples 1000000000 --seqlen 128", "GiB this machine has available")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json"])
+def test_deeply_nested_json_is_one_line(capsys, ckpt, tmp_path, name):
+    (ckpt / name).write_text("[" * 100000 + "]" * 100000)
+    fails_cleanly(capsys, tmp_path, ["generate", "-m", ckpt, "-p", "hi"], name, "nested too deeply")
+
+
+def test_a_targets_entry_that_is_no_string_is_named(capsys, quantized, tmp_path):
+    ct = tmp_path / "ct"
+    ok(run("export", quantized, "--to", "compressed-tensors", "--out", ct))
+    config = json.loads((ct / "config.json").read_text())
+    next(iter(config["quantization_config"]["config_groups"].values()))["targets"] = [{"re": "x"}]
+    (ct / "config.json").write_text(json.dumps(config))
+    fails_cleanly(capsys, tmp_path, ["import", ct, "--out", tmp_path / "back"], "targets: target {'re': 'x'} is not a string")

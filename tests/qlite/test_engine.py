@@ -81,3 +81,30 @@ def test_bf16_logits_argmax_natively_where_it_can(lm):
     logits = torch.randn(3, lm.model.config.vocab_size).bfloat16()
     top, finite = lm.model.ops.argmax_rows(logits)
     assert top == logits.float().argmax(-1).tolist() and finite == [True] * 3
+
+
+def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
+    """A request whose prefill raises (here: a forward that fails on its tokens) gets its error; the
+    sequence already decoding goes on and answers as it does alone."""
+    want = lm.generate("the the he", chat=False, max_new_tokens=24)
+    forward = type(lm.model).forward
+    bad = lm.prompt_ids("he he", chat=False)
+
+    def failing(self, ids, *args, **kwargs):
+        if ids.shape[1] == len(bad) and ids[0].tolist() == bad:
+            raise RuntimeError("a kernel failed on this prompt")
+        return forward(self, ids, *args, **kwargs)
+
+    engine = Engine(lm, max_batch=4, ctx=96).start()
+    try:
+        answers = {}
+        first = submit(engine, lm, "the the he", 24, answers)
+        while engine.load()["active"] == 0:  # decoding before the bad one arrives
+            threading.Event().wait(0.01)
+        monkeypatch.setattr(type(lm.model), "forward", failing)
+        submit(engine, lm, "he he", 8, answers).wait(60)
+        assert first.wait(60)
+    finally:
+        engine.stop()
+    assert answers["he he"][0] == "error" and answers["he he"][2] == 500 and "RuntimeError" in answers["he he"][1]
+    assert answers["the the he"] == want
