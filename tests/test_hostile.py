@@ -177,7 +177,7 @@ def test_weights_file_that_is_a_directory(capsys, ckpt, tmp_path):
 def test_config_that_is_a_directory(capsys, ckpt, tmp_path):
     (ckpt / "config.json").unlink()
     (ckpt / "config.json").mkdir()
-    fails_cleanly(capsys, tmp_path, ["info", ckpt], "config.json: unreadable")
+    fails_cleanly(capsys, tmp_path, ["info", ckpt], "config.json: is a directory, not a regular file")
 
 
 def test_prompt_that_is_not_utf8(capsys, ckpt, tmp_path, monkeypatch):

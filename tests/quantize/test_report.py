@@ -61,7 +61,7 @@ def test_info_prints_the_fidelity_and_survives_a_broken_report(src, tmp_path, ca
     assert main(["info", str(tmp_path / "q")]) == 0
     assert f"{REPORT_NAME}: unreadable (not a qlite quantization report)" in capsys.readouterr().out
     (tmp_path / "q" / REPORT_NAME).write_text("{not json")
-    assert main(["info", str(tmp_path / "q")]) == 0 and "unreadable" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "q")]) == 0 and f"{REPORT_NAME}: not valid JSON" in capsys.readouterr().out
 
 
 def test_tied_shared_table_is_named_in_the_recipe(tmp_path):
@@ -87,7 +87,7 @@ def test_a_tokenizer_the_report_cannot_read_is_named_before_any_work(src, tmp_pa
     (broken / "tokenizer_config.json").write_bytes(b"\xff{")
     assert main(["quantize", str(broken), "--out", str(tmp_path / "q"), "--group-size", "32"]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == [f"error: {broken / 'tokenizer_config.json'}: not UTF-8 text"]
+    assert err.strip().splitlines() == [f"error: {broken / 'tokenizer_config.json'}: not UTF-8 text (byte 0)"]
     assert not (tmp_path / "q").exists()
     assert main(["quantize", str(broken), "--out", str(tmp_path / "q"), "--group-size", "32", "--no-report"]) == 0
 
