@@ -48,7 +48,9 @@ def describe_model(model_dir: Path) -> tuple[str, float, float]:
 
 
 def _file_hash(path: Path) -> str:
-    return hashlib.sha256(read_bytes(path, within=path.parent)).hexdigest() if path.exists() or path.is_symlink() else ""
+    if not path.exists() and not path.is_symlink():
+        return ""
+    return hashlib.sha256(read_bytes(path, within=path.parent)).hexdigest()
 
 
 def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:

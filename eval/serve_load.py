@@ -93,10 +93,12 @@ def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | Non
 HI = [{"role": "user", "content": "hi"}]
 HOSTILE = [  # (name, request bytes after the request line's path, what must come back)
     ("not json", b"{not json", 400), ("messages not a list", {"messages": "hi"}, 400),
-    ("temperature -1", {"messages": HI, "temperature": -1}, 400), ("unknown model", {"model": "nope", "messages": HI}, 400),
+    ("temperature -1", {"messages": HI, "temperature": -1}, 400),
+    ("unknown model", {"model": "nope", "messages": HI}, 400),
     ("max_tokens past the context", {"messages": HI, "max_tokens": 10 ** 7}, 400),
     ("lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
-    ("seed 2**64", {"messages": HI, "seed": 2 ** 64}, 400), ("seed below -2**63", {"messages": HI, "seed": -2 ** 63 - 1}, 400),
+    ("seed 2**64", {"messages": HI, "seed": 2 ** 64}, 400),
+    ("seed below -2**63", {"messages": HI, "seed": -2 ** 63 - 1}, 400),
     ("stream 'false'", {"messages": HI, "stream": "false"}, 400),
     ("stream_options a list", {"messages": HI, "stream": True, "stream_options": [1]}, 400),
     ("deep JSON", b"[" * 100000 + b"]" * 100000, 400), ("body past the limit", b" " * (9 * 2 ** 20), 413),

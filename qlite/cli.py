@@ -371,7 +371,8 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     .gguf file is scored by llama.cpp on the same tokens (needs the bench extra)."""
     from eval.run import evaluate, how_run, write_reports
 
-    inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")), *([tasks] if tasks and tasks != "builtin" else [])]
+    inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")),
+              *([tasks] if tasks and tasks != "builtin" else [])]
     check_writable(json_path, "--json", inputs)
     check_writable(md_path, "--markdown", inputs)
     if json_path is not None and md_path is not None and json_path.resolve() == md_path.resolve():
@@ -404,7 +405,7 @@ def import_gguf_cmd(gguf_file, out_dir, dtype, force):
     """Convert a qwen2 GGUF file into a checkpoint dir (safetensors, tokenizer, config)."""
     from .gguf import import_gguf
 
-    import_gguf(gguf_file, out_dir, dtype=dtype, force=force)
+    import_gguf(gguf_file, out_dir, dtype=dtype, force=force, out_flag="OUT_DIR")
     click.echo(f"wrote {out_dir}")
 
 

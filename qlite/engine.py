@@ -27,7 +27,8 @@ from .memory import release_freed_memory
 
 PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (longest) stays within this
 
-Event = tuple  # ("start", prompt_tokens) | ("text", piece) | ("done", finish_reason, completion_tokens) | ("error", msg, status)
+# ("start", prompt_tokens) | ("text", piece) | ("done", finish_reason, completion_tokens) | ("error", msg, http status)
+Event = tuple
 
 
 def prefill_groups(ready: list[tuple]) -> list[list[tuple]]:

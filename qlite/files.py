@@ -34,7 +34,8 @@ def open_regular(path: Path, within: Path | None = None):
     if within is not None and (path.exists() or path.is_symlink()) and not inside(path, within):
         raise QliteError(f"{path}: links to {path.resolve()}, outside {within}; refusing to read it")
     try:
-        fd = os.open(path.resolve() if within is not None else path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path.resolve() if within is not None else path,
+                     os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise QliteError(f"{path}: not found") from None
     except IsADirectoryError:

@@ -153,12 +153,13 @@ def _dequantized(t) -> np.ndarray:
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", force: bool = False,
-                progress: bool = True) -> Path:
-    """Write a checkpoint dir for a qwen2 GGUF file. Tensors are stored in `dtype` (float16 default)."""
+                progress: bool = True, out_flag: str = "--out") -> Path:
+    """Write a checkpoint dir for a qwen2 GGUF file. Tensors are stored in `dtype` (float16 default).
+    out_flag: how errors name out_dir (the command's flag or argument)."""
     from gguf import GGUFReader
 
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
-    check_output(out_dir, force, inputs=(gguf_path,))  # before the long part; checked again at the end
+    check_output(out_dir, force, (gguf_path,), out_flag)  # before the long part; checked again at the end
     torch_dtype = FLOAT_DTYPES.get(dtype)
     if torch_dtype is None:
         raise QliteError(f"--dtype {dtype}: choose float16, bfloat16 or float32")
@@ -189,7 +190,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         for t in tqdm(reader.tensors, desc="import", unit="tensor", disable=not progress, leave=False):
             yield hf_name(t.name), torch.from_numpy(_dequantized(t)).to(torch_dtype)
 
-    with atomic_output_dir(out_dir, force=force, inputs=(gguf_path,)) as tmp:
+    with atomic_output_dir(out_dir, force=force, inputs=(gguf_path,), flag=out_flag) as tmp:
         write_sharded(tmp, specs, tensors(), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save(str(tmp / "tokenizer.json"))
