@@ -86,6 +86,13 @@ def test_task_files_round_trip_and_bad_files_are_named(tmp_path):
     dump_tasks(TASKS[:3], path)
     assert load_tasks(str(path)) == TASKS[:3]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"name": "x"}) + "\n")
+    with pytest.raises(QliteError, match="bad.jsonl:1: entry is missing"):
+        load_tasks(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"name": "x", "entry": "x", "prompt": "p", "tests": "t",
+                                                    "prose": "false"}) + "\n")
+    with pytest.raises(QliteError, match="bad.jsonl:1: prose must be true or false, got 'false'"):
+        load_tasks(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "bad.jsonl").write_text("[1]\n")
     with pytest.raises(QliteError, match="bad.jsonl:1: not a task"):
         load_tasks(str(tmp_path / "bad.jsonl"))
     with pytest.raises(QliteError, match="--tasks .*missing.jsonl: not found"):
