@@ -105,6 +105,10 @@ class Format:
         if self.group_size is not None and in_features % self.group_size:
             raise QliteError(f"group size {self.group_size} does not divide {where}'s input width {in_features}")
 
+    def in_features(self, shapes: Mapping[str, tuple]) -> int:
+        """The input width K of a weight from its stored tensors' shapes (by name)."""
+        return shapes["qweight"][1]
+
     def check_stored(self, stored: Mapping[str, torch.Tensor]) -> str | None:
         """What is wrong with stored values that the dtypes and shapes allow but the format does not
         (None: nothing): checked at load, so no kernel or export sees them."""
@@ -279,6 +283,9 @@ class Int4(IntFormat, scheme="int", bits=4):
     def group_scales(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Each group's scale, float32 [N, groups]."""
         return stored["scales"].float()
+
+    def in_features(self, shapes):
+        return shapes["scales"][1] * self.group_size  # qweight holds ceil(K/2) bytes; the groups say K exactly
 
     def check_stored(self, stored):
         top = int(stored["zeros"].max()) if stored["zeros"].numel() else 0

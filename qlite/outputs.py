@@ -27,13 +27,16 @@ except ImportError:  # Windows: no advisory locks; outputs are still written ato
 
 def check_output(dst: Path, force: bool, inputs=(), flag: str = "--out") -> None:
     """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
-    with config.json) that holds none of the inputs: never an input itself or a dir above one, never
-    a plain file, a dir that is not a checkpoint, or the current dir. Errors name the flag."""
+    with config.json) that holds none of the inputs: never an input itself, a dir above one or a
+    place inside one, never a plain file, a dir that is not a checkpoint, or the current dir. Errors
+    name the flag."""
     dst = Path(dst)
     for path in inputs:
         path = Path(path).resolve()
         if dst.resolve() == path or dst.resolve() in path.parents:
             raise QliteError(f"{flag} {dst}: holds the input {path}; choose another output")
+        if path in dst.resolve().parents:
+            raise QliteError(f"{flag} {dst}: lies inside the input {path}; choose another output")
     if not dst.exists() and not dst.is_symlink():
         return
     if not force:
@@ -196,7 +199,7 @@ def check_output_file(dst: Path, force: bool, magic: bytes, inputs=()) -> None:
     for path in inputs:
         path = Path(path).resolve()
         if dst.resolve() == path or path in dst.resolve().parents:
-            raise QliteError(f"{dst}: is the input or inside it; choose another output")
+            raise QliteError(f"--out {dst}: is the input or lies inside it; choose another output")
     if not dst.parent.is_dir():
         raise QliteError(f"{dst}: its directory {dst.parent} does not exist")
     if not dst.exists() and not dst.is_symlink():

@@ -188,8 +188,6 @@ def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantCon
     src = Path(src).expanduser()
     src = CheckpointDir(src.resolve() if src.exists() else src)
     out = Path(out).expanduser() if out is not None else src.path.parent / f"{src.path.name}-{qconfig.suffix}"
-    if out.resolve() == src.path or src.path in out.resolve().parents:
-        raise QliteError(f"--out {out}: must not be SRC or inside it")
     check_output(out, force, inputs=(src.path,))
     return src, out
 

@@ -301,3 +301,8 @@ def read_module(src, module: str, fmt: Format, qcfg
     if order is not None and torch.equal(order.long(), torch.arange(order.numel())):
         order = None
     return stored, order
+
+
+def stored_in_features(src, module: str, fmt: Format) -> int:
+    """A stored module's input width, from its tensors' shapes in the checkpoint (Format.in_features)."""
+    return fmt.in_features({name: src.tensors[f"{module}.{name}"].shape for name in fmt.stored_shapes(1, 1)})

@@ -70,7 +70,7 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             if not isinstance(fmt, (Int4, Int8)):
                 raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
             n = info.shape[0]
-            k = src.tensors[f"{module}.scales"].shape[1] * fmt.group_size if isinstance(fmt, Int4) else info.shape[1]
+            k = foreign.stored_in_features(src, module, fmt)
             kind = foreign.gguf_type(fmt, src.read(f"{module}.zeros") if isinstance(fmt, Int4) else None)
             if module != "lm_head":
                 kinds.add(kind)  # the file type names the decoder's

@@ -92,13 +92,6 @@ def write_dir(src: CheckpointDir, out: Path, output: Output, config: dict, force
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def source_and_output(src: CheckpointDir, out: Path, force: bool) -> None:
-    """--out may be written: not the source, not inside it, and what check_output allows."""
-    if out.resolve() == src.path.resolve() or src.path.resolve() in out.resolve().parents:
-        raise QliteError(f"--out {out}: must not be the source or inside it")
-    check_output(out, force, inputs=(src.path,))
-
-
 # --- export ----------------------------------------------------------------------------------------
 
 def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict[str, tuple[int, int]]]:
@@ -113,16 +106,8 @@ def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict
         if not isinstance(fmt, (Int4, Int8)):
             raise QliteError(f"{src.path}: {module} is {fmt.name if fmt else '16-bit'}; only qlite's int4 and int8 "
                              f"formats export (bitsandbytes formats stay bitsandbytes')")
-        layer[module] = (src.tensors[f"{module}.scales"].shape[0], _in_features(src, module, fmt))
+        layer[module] = (src.tensors[f"{module}.scales"].shape[0], foreign.stored_in_features(src, module, fmt))
     return cfg, cfg.quantization, layer
-
-
-def _in_features(src: CheckpointDir, module: str, fmt: Format) -> int:
-    q = src.tensors[f"{module}.qweight"].shape[1]
-    if isinstance(fmt, Int8):
-        return q
-    groups = src.tensors[f"{module}.scales"].shape[1]
-    return groups * fmt.group_size  # int4: qweight holds ceil(K/2) bytes; the groups say K exactly
 
 
 def export_checkpoint(src: str | Path, to: str, out: str | Path, force: bool = False, gptq_format: str = "auto",
@@ -135,7 +120,7 @@ def export_checkpoint(src: str | Path, to: str, out: str | Path, force: bool = F
     if to == "gguf":  # a file: checked there
         from .gguf_export import export_gguf
         return export_gguf(src_dir, out, force, progress)
-    source_and_output(src_dir, out, force)
+    check_output(out, force, inputs=(src_dir.path,))
     cfg, qcfg, layers = quantized_source(src_dir)
     if to == "compressed-tensors":
         return export_compressed_tensors(src_dir, out, cfg, qcfg, layers, force, progress)
@@ -461,7 +446,7 @@ def foreign_quantization(src: CheckpointDir) -> tuple[dict, str]:
 def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, progress: bool = True) -> QuantConfig:
     """Convert a GPTQ or compressed-tensors Qwen2 checkpoint dir into a qlite checkpoint, exactly."""
     src_dir, out = CheckpointDir(src), Path(out).expanduser()
-    source_and_output(src_dir, out, force)
+    check_output(out, force, inputs=(src_dir.path,))
     q, where = foreign_quantization(src_dir)
     source = SOURCES[q["quant_method"]](src_dir, q, where)
     base = {k: v for k, v in src_dir.config_dict.items() if k != "quantization_config"}

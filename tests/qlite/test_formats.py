@@ -48,6 +48,8 @@ def test_stored_tensors_match_the_declared_layout_and_name(name):
     bits = sum(t.numel() * t.element_size() * 8 for t in stored.values())
     assert fmt.bits_per_weight(256) == pytest.approx(bits / w.numel())
     assert fmt.dequantize(stored, 256).shape == w.shape
+    if name.startswith("int"):  # the input width comes back from the stored shapes (exports read it so)
+        assert fmt.in_features({k: tuple(t.shape) for k, t in stored.items()}) == 256
 
 
 # Floors set a little under what random Gaussian weights measure (int8 42.1 dB per channel,

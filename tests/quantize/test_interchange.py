@@ -517,7 +517,7 @@ def test_bad_exports(quantized, src, tmp_path):
     one_line_error(run_cli("export", str(bad_v1), "--to", "gguf", "--out", str(tmp_path / "d.gguf"), "--force"),
                    "--force replaces only")
     assert (tmp_path / "d.gguf").read_text() == "not a gguf"
-    one_line_error(run_cli("export", str(bad_v1), "--to", "gguf", "--out", str(bad_v1 / "m.gguf")), "inside it")
+    one_line_error(run_cli("export", str(bad_v1), "--to", "gguf", "--out", str(bad_v1 / "m.gguf")), "inside")
     assert not (bad_v1 / "m.gguf").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf"]
     for _ in range(2):  # a GGUF file is replaced with --force
