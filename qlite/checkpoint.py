@@ -25,6 +25,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+FLOAT_STORAGE = tuple(name for name, dtype in SAFETENSORS_DTYPES.items() if dtype.is_floating_point)  # F64 .. BF16
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -9,15 +9,13 @@ import torch
 
 from . import native
 from .backends import backend_named, use_backend
-from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, CheckpointDir
+from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, FLOAT_STORAGE, CheckpointDir
 from .errors import QliteError
 from .formats import stored_problem
 from .memory import large_allocations_from_mmap, release_freed_memory
 from .model import SHARED_BY_PARTS, DecoderLayer, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
 
-
-FLOAT_STORAGE = ("F16", "BF16", "F32", "F64")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from qlite.checkpoint import CheckpointDir
+from qlite.checkpoint import FLOAT_STORAGE, CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import Format
 from qlite.info import REPORT_NAME
@@ -30,7 +30,6 @@ from qlite.outputs import atomic_output_dir, check_output
 from qlite.qconfig import EMBEDDINGS, QuantConfig
 from qlite.safetensors_io import TensorSpec, made_in_order, write_sharded
 
-FLOAT_SOURCE = ("F32", "F16", "BF16")
 PARTS = {"lm_head": "lm_head", EMBEDDINGS: "embeddings"}  # output module -> part; any other: "linears"
 
 
@@ -138,7 +137,7 @@ def plan_conversion(src: CheckpointDir, qconfig: QuantConfig, report: bool = Fal
         raise QliteError(f"{src.path / 'config.json'}: already quantized; quantize the 16-bit checkpoint")
     src.check_tensors(expected_tensors(cfg))
     for name, info in src.tensors.items():
-        if info.dtype not in FLOAT_SOURCE:
+        if info.dtype not in FLOAT_STORAGE:
             raise QliteError(f"{info.file}: tensor {name} is {info.dtype}, expected a float checkpoint")
     jobs = []
     for name, info in src.tensors.items():

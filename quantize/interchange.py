@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from qlite.checkpoint import DTYPE_NAMES, CheckpointDir
+from qlite.checkpoint import DTYPE_NAMES, FLOAT_STORAGE, CheckpointDir
 from qlite.config import Qwen2Config
 from qlite.fields import field_of
 from qlite.files import read_checkpoint_json
@@ -37,7 +37,6 @@ from .convert import expected_tensors, loading_order
 
 EXPORT_TARGETS = ("compressed-tensors", "gptq", "gguf")
 CT_SPEC_VERSION = "0.20.1"  # the compressed-tensors release whose pack-quantized layout this writes
-FLOAT_STORAGE = ("F16", "BF16", "F32")
 _DECODER = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

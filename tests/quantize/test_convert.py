@@ -432,3 +432,24 @@ def test_bad_generate_and_eval_flags_fail_before_loading(capsys, src, tmp_path):
                           (["--markdown", tmp_path], "--markdown")):
         code, err = run_cli(capsys, "eval", src, "--baseline", src, *args)
         assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_every_float_storage_dtype_is_a_source(tmp_path):
+    """One table of float dtypes (checkpoint.FLOAT_STORAGE) for load, quantize and import: a float64
+    checkpoint loads and quantizes like its float32 copy."""
+    from qlite.checkpoint import FLOAT_STORAGE
+    assert set(FLOAT_STORAGE) == {"F64", "F32", "F16", "BF16"}
+    f32 = make_checkpoint(tmp_path / "f32", seed=5, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    f64 = Path(__import__("shutil").copytree(f32, tmp_path / "f64"))
+    save_file({k: v.double() for k, v in load_file(f32 / "model.safetensors").items()}, f64 / "model.safetensors",
+              metadata={"format": "pt"})
+    ids = torch.tensor([[5, 9, 77, 200]])
+    a, b = (load_model(d, dtype="float32")(ids) for d in (f32, f64))
+    assert torch.allclose(a, b, atol=1e-5)
+    q32, q64 = (convert(d, tmp_path / f"{d.name}-q", bits=4, group_size=32, progress=False, report=False).out_dir
+                for d in (f32, f64))
+    w32, w64 = load_file(q32 / "model.safetensors"), load_file(q64 / "model.safetensors")
+    codes = [k for k in w32 if k.endswith((".qweight", ".zeros"))]
+    same = sum(torch.equal(w32[k], w64[k]) for k in codes)
+    assert same == len(codes), f"{same}/{len(codes)}"
