@@ -334,13 +334,11 @@ def parse_size(text: str, flag: str) -> int:
 def check_writable(path: Path | None, flag: str, inputs=()) -> None:
     """Before long work: the file can be written (its dir exists and takes files; it is no dir) and
     is none of the inputs, nor inside an input dir."""
+    from .outputs import check_not_input
+
     if path is None:
         return
-    for given in inputs:
-        source = Path(given).expanduser().resolve()
-        if path.resolve() == source or source in path.resolve().parents:
-            raise QliteError(f"{flag} {path}: {'is' if path.resolve() == source else 'lies inside'} the input "
-                             f"{given}; choose another file")
+    check_not_input(path, inputs, flag)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or \
             (path.exists() and not os.access(path, os.W_OK)):

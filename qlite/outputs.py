@@ -25,18 +25,24 @@ except ImportError:  # Windows: no advisory locks; outputs are still written ato
     fcntl = None
 
 
+def check_not_input(dst: Path, inputs, flag: str) -> None:
+    """An output (dir or file) is none of the inputs, no dir that holds one, and not inside one."""
+    here = Path(dst).resolve()
+    for given in inputs:
+        path = Path(given).expanduser().resolve()
+        where = ("is" if here == path else "holds" if here in path.parents else
+                 "lies inside" if path in here.parents else None)
+        if where is not None:
+            raise QliteError(f"{flag} {dst}: {where} the input {path}; choose another output")
+
+
 def check_output(dst: Path, force: bool, inputs=(), flag: str = "--out") -> None:
     """An output dir may be written where nothing is, or, with --force, over a checkpoint dir (one
     with config.json) that holds none of the inputs: never an input itself, a dir above one or a
     place inside one, never a plain file, a dir that is not a checkpoint, or the current dir. Errors
     name the flag."""
     dst = Path(dst)
-    for path in inputs:
-        path = Path(path).resolve()
-        if dst.resolve() == path or dst.resolve() in path.parents:
-            raise QliteError(f"{flag} {dst}: holds the input {path}; choose another output")
-        if path in dst.resolve().parents:
-            raise QliteError(f"{flag} {dst}: lies inside the input {path}; choose another output")
+    check_not_input(dst, inputs, flag)
     if not dst.exists() and not dst.is_symlink():
         return
     if not force:
@@ -196,10 +202,7 @@ def check_output_file(dst: Path, force: bool, magic: bytes, inputs=()) -> None:
     """An output file may be written where nothing is, or, with --force, over a regular file that
     starts with `magic` (a file of the kind being written) and is none of the inputs."""
     dst = Path(dst)
-    for path in inputs:
-        path = Path(path).resolve()
-        if dst.resolve() == path or path in dst.resolve().parents:
-            raise QliteError(f"--out {dst}: is the input or lies inside it; choose another output")
+    check_not_input(dst, inputs, "--out")
     if not dst.parent.is_dir():
         raise QliteError(f"{dst}: its directory {dst.parent} does not exist")
     if not dst.exists() and not dst.is_symlink():

@@ -63,7 +63,7 @@ class TextModel:
             chat = self.tokenizer.chat_template is not None
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + \
-                       [{"role": "user", "content": checked_text(prompt, "the prompt")}]
+                       [{"role": "user", "content": prompt}]
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self._encode(checked_text(prompt, "the prompt"))
 
