@@ -14,8 +14,15 @@ The bitsandbytes peer formats keep bitsandbytes' own layout:
   llm.int8:  qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
 Every stored tensor is per output row, so formats concatenate along rows (fused projections).
 
-Adding a format: a subclass with its key, `name`, `parse`, `stored_shapes`, `quantize` and
-`dequantize` (see the README), and a kernel for it in kernels.py.
+A format is one class: besides its layout, it says how the CLI spells it (its scheme is `--format`'s
+value), its default group size, whether calibration (GPTQ, act-rtn) and activation-aware grids apply,
+its measured decode cost for `--target-bpw`, and its exact encoding as other engines' integer grids
+(`to_affine` / `from_affine`, or a refusal). Nothing else in qlite branches on a format (an ast check
+in tests/test_formats_one_class.py); kernels name the layouts they read.
+
+Adding a format: a subclass with its key, `name`, `parse`, `stored_shapes`, `quantize_rows` and
+`dequantize` (docs/internals.md); it then quantizes, loads, runs on the reference kernel and appears in
+`qlite quantize --help`. A native kernel for it goes in kernels.py.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ SCALE_BITS, ZERO_BITS = 16, 8
 SCALE_CODE_MAX = 255  # int4k's scale codes: 1..255 (uint8)
 FP16_SMALLEST = 2.0 ** -24  # the smallest positive float16: a scale must not round to zero
 INT8_MAX = 127
+INT8_OFFSET = 128  # int8 codes as unsigned ones for other engines: u = q + 128
 CHUNK_ROWS = 4096  # rows quantized at a time: a 150k-row lm_head never has more float32 temporaries alive
 
 REGISTRY: dict[tuple[str, int], type["Format"]] = {}
@@ -43,8 +51,17 @@ class Format:
     group_size: int | None = None  # weights per scale along the input; None: one per output row
     symmetric: bool = True
 
-    scheme: ClassVar[str]
+    scheme: ClassVar[str]  # also `qlite quantize --format`'s spelling of the family
     bits: ClassVar[int]
+    aliases: ClassVar[tuple[str, ...]] = ()  # other --format spellings of the family
+    peer: ClassVar[str | None] = None  # made by another library (its method name), not qlite's quantizer
+    default_group_size: ClassVar[int | None] = None  # `qlite quantize` without --group-size
+    calibrated: ClassVar[bool] = False  # GPTQ / act-rtn can make it (an integer grid)
+    # --target-bpw: picoseconds per weight of a decode step, by group size (None: per row); a format without
+    # an entry is no candidate. From whole fused steps of single-format demo checkpoints (`python -m
+    # eval.kernel_bench --steps DIR`, 2 rounds, the faster; AMD EPYC Zen 4, AVX-512 VNNI, 2 threads): the
+    # int8 model's step over all its weights, each other format by its step's difference from int8's.
+    decode_ps: ClassVar[dict[int | None, float]] = {}
 
     def __init_subclass__(cls, scheme: str, bits: int | None = None, **kw):
         super().__init_subclass__(**kw)
@@ -114,6 +131,45 @@ class Format:
         (None: nothing): checked at load, so no kernel or export sees them."""
         return None
 
+    @property
+    def act_aware(self) -> bool:
+        """Whether act-rtn / GPTQ choose its grids from calibration inputs (else min-max grids)."""
+        return False
+
+    @property
+    def budget_ps(self) -> float | None:
+        """Its decode cost per weight for --target-bpw (None: not a candidate)."""
+        return type(self).decode_ps.get(self.group_size)
+
+    # --- other engines' integer grids: w = (u - zu) * s, u unsigned `bits`-bit codes, fp16 scales ---
+    @property
+    def affine_symmetric(self) -> bool | None:
+        """Whether its grid has a fixed zero point 2^(bits-1) (peers then store none); None: no exact
+        encoding (exports refuse it)."""
+        return None
+
+    @property
+    def exports(self) -> bool:
+        return self.affine_symmetric is not None
+
+    def to_affine(self, stored: Mapping[str, torch.Tensor], in_features: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes u uint8 [N, K], fp16 scales [N, groups], zero points zu uint8 [N, groups])."""
+        raise QliteError(f"format {self.name}: no exact encoding in other engines' formats; only qlite's int4 "
+                         f"and int8 formats export")
+
+    def from_affine(self, u: torch.Tensor, scales: torch.Tensor, zu: torch.Tensor, where: str
+                    ) -> dict[str, torch.Tensor]:
+        """Its stored tensors for codes u [N, K], scales and zero points zu [N, groups] (to_affine's inverse)."""
+        raise QliteError(f"{where}: format {self.name} is not imported")
+
+    @classmethod
+    def for_peer(cls, bits: int, group_size: int | None, symmetric: bool, in_features: int, where: str
+                 ) -> "Format | None":
+        """The format of this family that stores a peer's (bits, group size or None per channel,
+        symmetric) grid exactly, or None."""
+        return None
+
 
 def stored_problem(fmt: Format, stored: Mapping[str, torch.Tensor], input_order: torch.Tensor | None) -> str | None:
     """What is wrong with one module's stored values (the format's own check, and an input_order that
@@ -153,6 +209,75 @@ def format_for_fields(scheme: str, bits: int | None, group_size: int | None, sym
     return cls.make(group_size, symmetric)
 
 
+def family(scheme: str, bits: int | None) -> type[Format]:
+    """The registered class of `--format SCHEME` (an alias included) and `--bits`; None bits: the
+    scheme's only family."""
+    scheme = next((cls.scheme for cls in REGISTRY.values() if scheme in cls.aliases), scheme)
+    families = {b: cls for (s, b), cls in REGISTRY.items() if s == scheme}
+    if not families:
+        raise QliteError(f"--format {scheme}: unknown (known: {', '.join(format_spellings())})")
+    only = next(iter(families.values()))
+    if len(families) == 1 and (bits is None or only.peer):  # a peer's format has its own width
+        return only
+    if bits not in families:
+        raise QliteError(f"--bits {bits}: --format {scheme} has {', '.join(map(str, sorted(families)))} bits")
+    return families[bits]
+
+
+def format_spellings() -> list[str]:
+    """`qlite quantize --format` values: every family's scheme and aliases."""
+    return list(dict.fromkeys(s for cls in REGISTRY.values() for s in (cls.scheme, *cls.aliases)))
+
+
+def bit_widths() -> list[str]:
+    """`qlite quantize --bits` values."""
+    return [str(b) for b in sorted({cls.bits for cls in REGISTRY.values()})]
+
+
+def flag_format(scheme: str, bits: int, group_size: int | None, symmetric: bool) -> Format:
+    """The decoder linears' format that `--format SCHEME --bits B [--group-size G] [--symmetric]` names."""
+    cls = family(scheme, bits)
+    return format_for_fields(cls.scheme, cls.bits, cls.default_group_size if group_size is None else group_size,
+                             symmetric)
+
+
+def table_format(bits: int, group_size: int | None, symmetric: bool, linear: Format, flag: str = "--lm-head-bits"
+                 ) -> Format | None:
+    """lm_head's format for --lm-head-bits, or the embeddings' for --embed-bits, beside decoder linears in
+    `linear`: 16 none; 8 int8 per output row (the fast int8 kernels); 4 the linears' own 4-bit integer
+    family (int4, or int4k with --format intk) with --group-size (128 if not given) and --symmetric."""
+    if bits == 16:
+        return None
+    if bits not in (4, 8):
+        raise QliteError(f"{flag} {bits}: choose 4, 8 or 16")
+    cls = REGISTRY.get((linear.scheme, bits))
+    cls = cls if cls is not None and cls.calibrated else REGISTRY[("int", bits)]
+    return cls.make(None, True) if bits == 8 else cls.make(group_size or 128, symmetric)
+
+
+def legacy_head_format(linear: Format, bits: int) -> Format | None:
+    """lm_head in a config written before lm_head_format: at 4 bits the linears' own int4 format, else
+    table_format's rule with group size 128."""
+    if bits == 4 and isinstance(linear, Int4):
+        return linear
+    return table_format(bits, 128, False, format_for_fields("int", 8, None, True))
+
+
+def budget_candidates() -> list[Format]:
+    """The formats --target-bpw chooses among (those with a decode cost), fewest bits per weight first."""
+    found = [cls.make(g, False) for cls in REGISTRY.values() for g in cls.decode_ps]
+    return sorted(found, key=lambda f: f.bits_per_weight(4096))
+
+
+def format_for_peer(bits: int, group_size: int | None, symmetric: bool, in_features: int, where: str) -> Format:
+    """qlite's format for a peer's (bits, group size or None per channel, symmetric) integer grid."""
+    for cls in REGISTRY.values():
+        fmt = cls.for_peer(bits, group_size, symmetric, in_features, where)
+        if fmt is not None:
+            return fmt
+    raise QliteError(f"{where}: {bits}-bit weights; qlite reads 4 and 8 bits")
+
+
 # --- integer grids (round to nearest; GPTQ quantizes column by column on the same grid) -------------
 
 FP16_LARGEST = 65504.0
@@ -182,6 +307,11 @@ class IntFormat(Format, scheme="int"):
     """qlite's integer formats: w = (q - z) * s per group, an fp16 scale s, codes q in lo..hi."""
     lo: ClassVar[int]
     hi: ClassVar[int]
+    calibrated = True
+
+    def search_scale(self, range_scale: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The stored scale nearest a wanted one (act-rtn's search over shrunk min-max scales)."""
+        return fp16_scale(range_scale)
 
     def row_scales(self, wg: torch.Tensor) -> torch.Tensor | None:
         """A format whose group scales are quantized too: each row's scale of scales [N, 1], from all the
@@ -212,6 +342,7 @@ class IntFormat(Format, scheme="int"):
 class Int8(IntFormat, scheme="int", bits=8):
     """Symmetric int8, q in -127..127, one scale per output row (int8) or per group (int8-gG)."""
     lo, hi = -INT8_MAX, INT8_MAX
+    decode_ps = {None: 18.2, 32: 20.5}
 
     @property
     def name(self):
@@ -240,6 +371,26 @@ class Int8(IntFormat, scheme="int", bits=8):
     def dequantize(self, stored, in_features):
         return stored["qweight"].float() * per_column(stored["scales"].float(), in_features)
 
+    affine_symmetric = True  # u = q + 128, zu = 128
+
+    def to_affine(self, stored, in_features):
+        scales = stored["scales"]
+        u = (stored["qweight"].to(torch.int16) + INT8_OFFSET).to(torch.uint8)
+        return u, scales, torch.full(scales.shape, INT8_OFFSET, dtype=torch.uint8)
+
+    def from_affine(self, u, scales, zu, where):
+        if (zu != INT8_OFFSET).any():
+            raise QliteError(f"{where}: 8-bit zero points other than 128 (asymmetric int8); qlite's int8 is symmetric")
+        return {"qweight": (u.to(torch.int16) - INT8_OFFSET).to(torch.int8), "scales": scales}
+
+    @classmethod
+    def for_peer(cls, bits, group_size, symmetric, in_features, where):
+        if bits != 8:
+            return None
+        if not symmetric:
+            raise QliteError(f"{where}: asymmetric int8; qlite's int8 is symmetric")
+        return cls(None if group_size in (None, in_features) else group_size)
+
 
 @dataclass(frozen=True)
 class Int4(IntFormat, scheme="int", bits=4):
@@ -248,6 +399,8 @@ class Int4(IntFormat, scheme="int", bits=4):
     (the whole of -8..7 where the sign allows), z = 8. Zero points are stored either way."""
     symmetric: bool = False
     lo, hi = 0, 15
+    default_group_size = 128
+    decode_ps = {128: 13.5}
 
     @property
     def name(self):
@@ -296,6 +449,24 @@ class Int4(IntFormat, scheme="int", bits=4):
         zeros, scales = per_column(stored["zeros"].float(), in_features), per_column(self.group_scales(stored), in_features)
         return (codes - zeros) * scales
 
+    @property
+    def act_aware(self):
+        return not self.symmetric  # symmetric int4 keeps min-max grids
+
+    @property
+    def affine_symmetric(self):
+        return self.symmetric
+
+    def to_affine(self, stored, in_features):  # int4k's coded scales as the fp16 numbers they stand for (exactly)
+        return unpack_int4(stored["qweight"], in_features), self.group_scales(stored).half(), stored["zeros"]
+
+    def from_affine(self, u, scales, zu, where):
+        return {"qweight": pack_int4(u), "scales": scales, "zeros": zu}
+
+    @classmethod
+    def for_peer(cls, bits, group_size, symmetric, in_features, where):
+        return cls(group_size or in_features, bool(symmetric)) if bits == 4 else None
+
 
 def asymmetric_range(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, (hi - lo) / 15) of groups wg (..., G), over a range that includes 0 (a constant group is exact too)."""
@@ -311,6 +482,8 @@ class Int4K(Int4, scheme="intk", bits=4):
     range still fits; the weights are then rounded onto the grid the coded scale makes. 8-bit codes lose
     nothing measurable against fp16 scales (SQNR within 0.03 dB on the demo model), so int4k-g32 keeps
     int4-g32's error at 4.5 bits per weight instead of 4.75 (int4k-g64: int4-g64's at 4.25)."""
+    default_group_size = 32
+    decode_ps = {64: 16.2, 32: 18.5}
 
     @property
     def name(self):
@@ -351,6 +524,16 @@ class Int4K(Int4, scheme="intk", bits=4):
     def group_scales(self, stored):
         return coded_scale(stored["row_scales"].float(), stored["scales"].float())
 
+    def search_scale(self, range_scale, rows):
+        return coded_scale(rows, torch.ceil(range_scale / rows).clamp(1, SCALE_CODE_MAX))
+
+    def from_affine(self, u, scales, zu, where):
+        raise QliteError(f"{where}: format {self.name} is not imported (a peer's int4 is int4-gG)")
+
+    @classmethod
+    def for_peer(cls, bits, group_size, symmetric, in_features, where):
+        return None  # a peer's int4 grid is plain int4's
+
 
 def coded_scale(d: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """int4k's group scale: fp16(d * code), as float32 (the kernels compute it the same way)."""
@@ -377,6 +560,7 @@ def nf4_codebook() -> torch.Tensor:
 @dataclass(frozen=True)
 class NF4(Format, scheme="nf4", bits=4):
     """NF4 (QLoRA): blocks of group_size weights (64 by default), float32 absmax per block."""
+    peer = "bnb"
 
     @property
     def name(self):
@@ -410,6 +594,7 @@ class NF4(Format, scheme="nf4", bits=4):
 class LLMInt8(Format, scheme="llm.int8", bits=8):
     """LLM.int8 (Dettmers et al. 2022): int8 per row with a float32 row absmax; outlier activation
     columns are handled by its kernel at inference."""
+    peer, aliases = "bnb", ("bnb-int8",)
 
     @property
     def name(self):

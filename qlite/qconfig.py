@@ -28,7 +28,7 @@ from functools import cached_property
 
 from .errors import QliteError
 from .fields import field_of
-from .formats import Format, Int4, Int4K, Int8, format_for_fields, format_named
+from .formats import Format, flag_format, format_for_fields, format_named, legacy_head_format, table_format
 
 FORMAT_VERSION = 1
 FORMAT_VERSION_INPUT_ORDER = 2  # written only when input_order is set
@@ -45,19 +45,6 @@ _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "gr
                "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order", "module_formats"}
 
 
-def table_format(bits: int, group_size: int | None, symmetric: bool, flag: str = "--lm-head-bits",
-                 int4: type[Int4] = Int4) -> Format | None:
-    """lm_head's format for --lm-head-bits, or the embeddings' for --embed-bits (see the module docstring);
-    4 bits: the decoder's int4 family (int4, or int4k with --format intk)."""
-    if bits == 16:
-        return None
-    if bits == 8:
-        return Int8(None)  # per output row: the fast int8 kernels
-    if bits == 4:
-        return int4.make(group_size or 128, symmetric)
-    raise QliteError(f"{flag} {bits}: choose 4, 8 or 16")
-
-
 @dataclass(frozen=True)
 class QuantConfig:
     linear: Format  # the decoder linears' format
@@ -71,23 +58,20 @@ class QuantConfig:
     module_formats: tuple[tuple[str, Format | None], ...] = ()  # decoder linears in their own format (None: 16-bit)
 
     @classmethod
-    def from_options(cls, bits: int = 4, group_size: int | None = 128, symmetric: bool = False, scheme: str = "int",
+    def from_options(cls, bits: int = 4, group_size: int | None = None, symmetric: bool = False, scheme: str = "int",
                      lm_head_bits: int | None = None, skip=(), method: str = "rtn", params: dict | None = None,
                      embed_bits: int | None = None) -> "QuantConfig":
         """From the quantize flags. bitsandbytes formats are made by bitsandbytes (method "bnb") and
         keep lm_head and the embeddings 16-bit by default, as transformers does for them; qlite's make
         both int8 per row (a tied model then stores one int8 table)."""
-        ours = scheme in ("int", "intk")  # qlite's integer formats, not bitsandbytes'
-        linear = format_for_fields(scheme, bits if ours else None, group_size, symmetric)
-        if lm_head_bits is None:
-            lm_head_bits = 8 if ours else 16
-        if embed_bits is None:
-            embed_bits = 8 if ours else 16
-        method = method if ours else "bnb"
-        int4 = Int4K if scheme == "intk" else Int4
-        return cls(linear, table_format(lm_head_bits, group_size, symmetric, int4=int4), method, LINEAR_KINDS,
-                   tuple(skip), dict(params or {}), embeddings=table_format(embed_bits, group_size, symmetric,
-                                                                             "--embed-bits", int4))
+        linear = flag_format(scheme, bits, group_size, symmetric)
+        table_bits = 16 if linear.peer else 8  # a peer's (bitsandbytes') model keeps them 16-bit, as transformers does
+        group = linear.group_size if group_size is None and linear.calibrated else group_size  # the family's default
+
+        def table(bits, flag):
+            return table_format(table_bits if bits is None else bits, group, symmetric, linear, flag)
+        return cls(linear, table(lm_head_bits, "--lm-head-bits"), linear.peer or method, LINEAR_KINDS, tuple(skip),
+                   dict(params or {}), embeddings=table(embed_bits, "--embed-bits"))
 
     @classmethod
     def from_dict(cls, q: dict, source: str) -> "QuantConfig":
@@ -115,7 +99,7 @@ class QuantConfig:
                 head = None if q["lm_head_format"] is None else format_named(q["lm_head_format"])
             else:  # written before lm_head_format: lm_head 4-bit took the main int4 format, else int4-g128
                 bits = field_of(q, "lm_head_bits", int, where, 16)
-                head = linear if bits == 4 and isinstance(linear, Int4) else table_format(bits, 128, False)
+                head = legacy_head_format(linear, bits)
             embeddings = None if q.get("embed_format") is None else format_named(q["embed_format"])
             mixed = q.get("module_formats") or {}
             if not isinstance(mixed, dict) or not all(isinstance(k, str) and _DECODER_LINEAR.fullmatch(k)
@@ -166,6 +150,8 @@ class QuantConfig:
     @property
     def suffix(self) -> str:
         """What the default output dir adds to the source's name: int4-g128, gptq-int4-g128-act, ..."""
+        if "preset" in self.params:
+            return str(self.params["preset"])
         if "target_bpw" in self.params:
             return f"bpw{self.params['target_bpw']:g}"
         name = self.linear.name if self.method in ("rtn", "bnb") else f"{self.method}-{self.linear.name}"

@@ -16,15 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from qlite.formats import Int4, IntFormat, Int4K, SCALE_CODE_MAX, asymmetric_range, coded_scale, fp16_scale, round_to_grid
+from qlite.formats import IntFormat, asymmetric_range, round_to_grid
 from qlite.qconfig import DAMP
 
 SHRINK = torch.linspace(1.0, 0.7, 11)  # candidate scales, as fractions of the min-max scale
-
-
-def uses_act_grid(fmt: IntFormat) -> bool:
-    """The formats whose grid the search chooses: asymmetric int4 (int8's and symmetric int4's stay min-max)."""
-    return isinstance(fmt, Int4) and not fmt.symmetric
 
 
 def group_blocks(hessian: torch.Tensor, group_size: int, damp: float) -> torch.Tensor:
@@ -43,10 +38,7 @@ def act_grid(fmt: IntFormat, wg: torch.Tensor, blocks: torch.Tensor, rows: torch
     hi = wg.amax(-1).clamp(min=0)
     best = None
     for shrink in SHRINK:
-        if isinstance(fmt, Int4K):
-            scale = coded_scale(rows, torch.ceil(range_scale * shrink / rows).clamp(1, SCALE_CODE_MAX))
-        else:
-            scale = fp16_scale(range_scale * shrink)
+        scale = fmt.search_scale(range_scale * shrink, rows)
         z = torch.round(-lo / scale)
         for zero in (z, z - 1, z + 1, torch.round(fmt.hi - hi / scale)):  # min-max's first: it wins ties
             zero = zero.clamp(fmt.lo, fmt.hi)
@@ -65,7 +57,7 @@ def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, da
                  ) -> dict[str, torch.Tensor]:
     """Round weight [N, K] to nearest on act_grid's grids (formats without one: min-max, fmt.quantize);
     returns fmt's stored tensors."""
-    if not uses_act_grid(fmt):
+    if not fmt.act_aware:
         return fmt.quantize(weight)
     blocks = group_blocks(hessian, fmt.group_size, damp)
     return fmt.quantize(weight, grid=lambda wg, rows: act_grid(fmt, wg, blocks, rows))

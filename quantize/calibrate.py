@@ -19,7 +19,6 @@ import torch
 
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
-from qlite.formats import IntFormat
 from qlite.memory import PeakAnonSampler, available_bytes
 from qlite.loader import float_layer
 from qlite.model import Linear, RMSNorm, Rotary, Step, linear_parts
@@ -91,7 +90,7 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
     cfg = dataclasses.replace(src.config, quantization=None)  # the float layers the methods work on
     ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen, cfg.hidden_size)  # (n, seqlen)
     x = torch.nn.functional.embedding(ids, src.read("model.embed_tokens.weight").float())  # (n, seqlen, hidden)
-    step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(seqlen)[None]), None, None, 0)
+    step = Step(*Rotary(cfg)(torch.arange(seqlen)[None]), None, None, 0)
     out: dict[str, dict[str, torch.Tensor]] = {}
 
     def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor, update: bool = True) -> None:
@@ -156,7 +155,7 @@ def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, met
     params = calibration_params(calib, nsamples, seqlen, act_order, damp)
     qconfig = qconfig or QuantConfig.from_options(method=method, params=params, **options)
     for fmt in (qconfig.linear, qconfig.lm_head, qconfig.embeddings):
-        if fmt is not None and not isinstance(fmt, IntFormat):
+        if fmt is not None and not fmt.calibrated:
             raise QliteError(f"--method {method} makes qlite's int formats, not {fmt.name}")
     t0 = time.perf_counter()
     src, out = source_and_output(src, out, qconfig, force)

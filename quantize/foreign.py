@@ -30,11 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from qlite.errors import QliteError
-from qlite.formats import Format, Int4, Int8, pack_int4, stored_problem, unpack_int4
+from qlite.formats import Format, pack_int4, stored_problem, unpack_int4
 
 assert sys.byteorder == "little", "quantize.foreign packs through little-endian byte views"
-
-INT8_OFFSET = 128
 
 
 # --- b-bit codes <-> int32 words -----------------------------------------------------------------
@@ -52,40 +50,8 @@ def unpack_words(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return unpack_int4(packed, count) if bits == 4 else packed[..., :count]
 
 
-# --- qlite's stored tensors <-> (u, scales, zu) -----------------------------------------------------
-
-def to_unsigned(fmt: Format, stored: dict[str, torch.Tensor], in_features: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes u uint8 [N, K], fp16 scales [N, groups], zero points zu uint8 [N, groups])."""
-    scales = stored["scales"]
-    if isinstance(fmt, Int4):  # int4k's coded scales as the fp16 numbers they stand for (exactly)
-        return unpack_int4(stored["qweight"], in_features), fmt.group_scales(stored).half(), stored["zeros"]
-    if isinstance(fmt, Int8):
-        u = (stored["qweight"].to(torch.int16) + INT8_OFFSET).to(torch.uint8)
-        return u, scales, torch.full(scales.shape, INT8_OFFSET, dtype=torch.uint8)
-    raise QliteError(f"format {fmt.name}: only qlite's int4 and int8 formats are exported")
-
-
-def from_unsigned(fmt: Format, u: torch.Tensor, scales: torch.Tensor, zu: torch.Tensor, where: str
-                  ) -> dict[str, torch.Tensor]:
-    """qlite's stored tensors for codes u [N, K], scales and zero points zu [N, groups]."""
-    if isinstance(fmt, Int4):
-        return {"qweight": pack_int4(u), "scales": scales, "zeros": zu}
-    if (zu != INT8_OFFSET).any():
-        raise QliteError(f"{where}: 8-bit zero points other than 128 (asymmetric int8); qlite's int8 is symmetric")
-    return {"qweight": (u.to(torch.int16) - INT8_OFFSET).to(torch.int8), "scales": scales}
-
-
-def qlite_format(bits: int, group_size: int | None, symmetric: bool, in_features: int, where: str) -> Format:
-    """qlite's format for a peer's (bits, group size or None per channel, symmetric)."""
-    if bits == 8:
-        if not symmetric:
-            raise QliteError(f"{where}: asymmetric int8; qlite's int8 is symmetric")
-        return Int8(None if group_size in (None, in_features) else group_size)
-    if bits == 4:
-        return Int4(group_size or in_features, bool(symmetric))
-    raise QliteError(f"{where}: {bits}-bit weights; qlite reads 4 and 8 bits")
-
+# qlite's stored tensors <-> (u, scales, zu): each format's to_affine / from_affine (formats.py);
+# a peer's grid -> qlite's format: formats.format_for_peer.
 
 def fp16_scales(scales: torch.Tensor, where: str) -> torch.Tensor:
     """A peer's scales as float16, refused unless that is exact (bf16/fp32 scales usually are)."""
@@ -136,26 +102,22 @@ def group_size_of(fmt: Format, in_features: int) -> int:
 
 # --- compressed-tensors pack-quantized -------------------------------------------------------------
 
-def ct_symmetric(fmt: Format) -> bool:
-    return isinstance(fmt, Int8) or fmt.symmetric
-
-
 def ct_shapes(fmt: Format, out_features: int, in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
     b, groups = fmt.bits, fmt.groups(in_features)
     shapes = {"weight_packed": (torch.int32, (out_features, -(-in_features * b // 32))),
               "weight_scale": (torch.float16, (out_features, groups)),
               "weight_shape": (torch.int64, (2,))}
-    if not ct_symmetric(fmt):
+    if not fmt.affine_symmetric:
         shapes["weight_zero_point"] = (torch.int32, (-(-out_features * b // 32), groups))
     return shapes
 
 
 def to_compressed_tensors(fmt: Format, stored: dict[str, torch.Tensor], in_features: int, where: str
                           ) -> dict[str, torch.Tensor]:
-    u, scales, zu = to_unsigned(fmt, stored, in_features)
+    u, scales, zu = fmt.to_affine(stored, in_features)
     out = {"weight_packed": pack_words(u, fmt.bits), "weight_scale": scales,
            "weight_shape": torch.tensor([u.shape[0], in_features], dtype=torch.int64)}
-    if ct_symmetric(fmt):
+    if fmt.affine_symmetric:
         if (zu != 2 ** (fmt.bits - 1)).any():
             raise QliteError(f"{where}: a symmetric format with zero points other than {2 ** (fmt.bits - 1)}")
     else:
@@ -186,7 +148,7 @@ def from_compressed_tensors(fmt: Format, t: dict[str, torch.Tensor], out_feature
         order = order_from_g_idx(t["weight_g_idx"], group_size_of(fmt, in_features), f"{where}.weight_g_idx")
     u = u if order is None else u[:, order.long()]
     scales = fp16_scales(t["weight_scale"].reshape(out_features, groups), f"{where}.weight_scale")
-    return from_unsigned(fmt, u, scales, zu, where), order
+    return fmt.from_affine(u, scales, zu, where), order
 
 
 # --- GPTQ --------------------------------------------------------------------------------------------
@@ -201,7 +163,7 @@ def gptq_shapes(fmt: Format, out_features: int, in_features: int) -> dict[str, t
 
 def to_gptq(fmt: Format, stored: dict[str, torch.Tensor], in_features: int, order: torch.Tensor | None, v1: bool,
             where: str) -> dict[str, torch.Tensor]:
-    u, scales, zu = to_unsigned(fmt, stored, in_features)
+    u, scales, zu = fmt.to_affine(stored, in_features)
     u = original_columns(u, order)
     if v1:
         if (zu == 0).any():
@@ -238,7 +200,7 @@ def from_gptq(fmt: Format, t: dict[str, torch.Tensor], out_features: int, in_fea
         order = order_from_g_idx(t["g_idx"], group_size_of(fmt, in_features), f"{where}.g_idx")
     u = u if order is None else u[:, order.long()]
     scales = fp16_scales(t["scales"].T.reshape(out_features, groups), f"{where}.scales")
-    return from_unsigned(fmt, u.contiguous(), scales.contiguous(), zu.to(torch.uint8).contiguous(), where), order
+    return fmt.from_affine(u.contiguous(), scales.contiguous(), zu.to(torch.uint8).contiguous(), where), order
 
 
 # --- GGUF blocks (llama.cpp) -----------------------------------------------------------------------
@@ -253,11 +215,15 @@ GGUF_BLOCK = 32
 GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
-def gguf_type(fmt: Format, zeros: torch.Tensor | None) -> str:
-    """The GGUF block type a qlite layer maps onto: Q4_0 when every zero point is 8."""
-    if isinstance(fmt, Int8):
-        return "Q8_0"
-    return "Q4_0" if zeros is not None and bool((zeros == 8).all()) else "Q4_1"
+GGUF_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1"}  # (bits, every zero point 2^(bits-1))
+
+
+def gguf_type(bits: int, zu: torch.Tensor, where: str) -> str:
+    """The GGUF block type of a layer's grid (bits, zero points zu): Q4_0 when every int4 zero point is 8."""
+    kind = GGUF_TYPES.get((bits, bool((zu == 2 ** (bits - 1)).all())))
+    if kind is None:
+        raise QliteError(f"{where}: {bits}-bit codes with zero points have no GGUF block type")
+    return kind
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -272,12 +238,12 @@ def to_gguf_blocks(fmt: Format, stored: dict[str, torch.Tensor], in_features: in
     if in_features % GGUF_BLOCK or (fmt.group_size is not None and group % GGUF_BLOCK):
         raise QliteError(f"{where}: group size {group} at input width {in_features} is not whole 32-weight GGUF "
                          f"blocks; quantize with --group-size 32, 64 or 128 to export GGUF")
-    u, scales, zu = to_unsigned(fmt, stored, in_features)
+    u, scales, zu = fmt.to_affine(stored, in_features)
     N, nb = u.shape[0], in_features // GGUF_BLOCK
-    kind = gguf_type(fmt, zu if isinstance(fmt, Int4) else None)
+    kind = gguf_type(fmt.bits, zu, where)
     d = scales.repeat_interleave(group // GGUF_BLOCK if fmt.group_size else nb, dim=1)  # (N, nb)
     if kind == "Q8_0":
-        qs = stored["qweight"].reshape(N, nb, GGUF_BLOCK).view(torch.uint8)
+        qs = (u.reshape(N, nb, GGUF_BLOCK).to(torch.int16) - 128).to(torch.int8).view(torch.uint8)  # signed again
         fields = [_fp16_bytes(d), qs]
     else:
         ub = u.reshape(N, nb, GGUF_BLOCK)  # (N, nb, 32)
@@ -301,6 +267,12 @@ def read_module(src, module: str, fmt: Format, qcfg
     if order is not None and torch.equal(order.long(), torch.arange(order.numel())):
         order = None
     return stored, order
+
+
+def affine_of(src, module: str, fmt: Format, qcfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stored module's (u, scales, zu), its values checked (read_module)."""
+    stored, _ = read_module(src, module, fmt, qcfg)
+    return fmt.to_affine(stored, stored_in_features(src, module, fmt))
 
 
 def stored_in_features(src, module: str, fmt: Format) -> int:

@@ -15,7 +15,7 @@ import torch
 from qlite.errors import QliteError
 from qlite.formats import IntFormat, round_to_grid
 from qlite.qconfig import DAMP
-from .act_grid import act_grid, group_blocks, uses_act_grid
+from .act_grid import act_grid, group_blocks
 
 BLOCK = 128
 
@@ -31,7 +31,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
     """Quantize weight [N, K] given the Hessian [K, K] of its inputs; returns the stored tensors of
     `fmt` (as `fmt.quantize` does for RTN). Rows are independent given H, so they
     are done chunk_rows at a time: an lm_head of 150k rows never needs more than a chunk's copies."""
-    if not isinstance(fmt, IntFormat):
+    if not fmt.calibrated:
         raise QliteError(f"GPTQ makes qlite's int formats, not {fmt.name}")
     K = weight.shape[1]
     G = fmt.group_size or K
@@ -40,7 +40,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
     H = hessian.float().clone()
     dead = torch.diag(H) == 0  # inputs that are always zero: any value works, pick 0
     H[dead, dead] = 1
-    blocks = group_blocks(H, G, damp) if uses_act_grid(fmt) else None  # (groups, G, G), canonical column order
+    blocks = group_blocks(H, G, damp) if fmt.act_aware else None  # (groups, G, G), canonical column order
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
     H = H[perm][:, perm]
     H.diagonal().add_(damp * torch.diag(H).mean())

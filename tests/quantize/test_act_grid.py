@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qlite.formats import Int4, Int4K, Int8, SCALE_CODE_MAX, round_to_grid
-from quantize.act_grid import SHRINK, act_grid, act_quantize, group_blocks, uses_act_grid
+from quantize.act_grid import SHRINK, act_grid, act_quantize, group_blocks
 from quantize.gptq import hessian_update
 
 ACT_FORMATS = [Int4(32), Int4(128), Int4K(32), Int4K(64)]
@@ -93,7 +93,7 @@ def test_stored_form(fmt, monkeypatch):
 def test_formats_without_an_act_grid_are_min_max():
     w, _, h = setup()
     for fmt in (Int8(), Int8(32), Int4(32, True)):
-        assert not uses_act_grid(fmt)
+        assert not fmt.act_aware
         got, want = act_quantize(w, h, fmt), fmt.quantize(w)
         assert all(torch.equal(got[k], want[k]) for k in want)
 

@@ -142,7 +142,7 @@ SLOW_SMALL_GROUPS = {"int4-g128": 1.0, "int4k-g64": 1.5, "int4k-g32": 1.8, "int8
 def test_no_slower_than_prices_decode_time_into_the_mix(untied, monkeypatch):
     """With costs that favour the bigger formats, the unconstrained mix decodes slower than int4-g128
     would (estimated); with the time budget the mix meets it, within the same bytes, at some KLD."""
-    monkeypatch.setattr("quantize.budget.DECODE_PS", SLOW_SMALL_GROUPS)
+    monkeypatch.setattr("quantize.budget.decode_ps", lambda fmt: SLOW_SMALL_GROUPS[fmt and fmt.name])
     mixer = Mixer(CheckpointDir(untied), ())
     mixer.costs = {u: [0.0 if f is None else 1.0 / b for f, b in o] for u, o in mixer.options.items()}
     reference = mixer.reference_seconds("int4-g128")

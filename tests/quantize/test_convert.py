@@ -211,7 +211,7 @@ def run_cli(capsys, *args):
     (["--group-size", "0"], "--group-size': 0 is not >= 1"),
     (["--group-size", "100"], "--group-size: group size 100 does not divide"),
     (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
-    (["--format", "intk", "--bits", "8"], "bits 8: intk has 4 bits"),
+    (["--format", "intk", "--bits", "8"], "--bits 8: --format intk has 4 bits"),
     (["--format", "intk", "--symmetric"], "int4k is asymmetric only"),
     (["--method", "act-rtn", "--act-order"], "--act-order: a GPTQ setting"),
     (["--method", "act-rtn", "--format", "nf4"], "--method act-rtn makes qlite's int formats"),

@@ -76,11 +76,11 @@ def test_compressed_tensors_layout_is_theirs(fmt):
     N, K = 48, 256
     stored = fmt.quantize(torch.randn(N, K))
     ct = foreign.to_compressed_tensors(fmt, stored, K, "x")
-    u, _, zu = foreign.to_unsigned(fmt, stored, K)
+    u, _, zu = fmt.to_affine(stored, K)
     signed = (u.to(torch.int16) - 2 ** (fmt.bits - 1)).to(torch.int8)
     assert torch.equal(pack_to_int32(signed, fmt.bits), ct["weight_packed"])
     assert torch.equal(unpack_from_int32(ct["weight_packed"], fmt.bits, torch.Size([N, K])), signed)
-    if not foreign.ct_symmetric(fmt):
+    if not fmt.affine_symmetric:
         zp = (zu.to(torch.int16) - 8).to(torch.int8)
         assert torch.equal(pack_to_int32(zp, fmt.bits, packed_dim=0), ct["weight_zero_point"])
     back, order = foreign.from_compressed_tensors(fmt, ct, N, K, "x")
@@ -425,7 +425,7 @@ def broken_copy(gptq_dir, tmp_path, config_change=None, tensor_change=None):
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("bits3", ["bits 3", "qlite reads 4- and 8-bit GPTQ"]),
+    ("bits3", ["3-bit weights", "qlite reads 4 and 8 bits"]),
     ("group48", ["group_size 48 does not divide"]),
     ("g_idx", ["g_idx is not a permutation of 4 groups of 32 columns", "layers.0.self_attn.q_proj.g_idx"]),
     ("shape", ["tensor model.layers.1.mlp.up_proj.scales is F16 (2, 192), expected F16 (4, 192)"]),
