@@ -27,7 +27,45 @@ import click  # noqa: E402
 from .errors import QliteError  # noqa: E402
 
 DTYPE_CHOICES = click.Choice(["auto", "float32", "bfloat16", "float16"])
-KERNEL_CHOICES = click.Choice(["auto", "native", "native-a16", "aten", "bnb", "reference"])  # backends.BACKENDS (tested)
+
+
+class Registered(click.Choice):
+    """Choices read from a registry when first needed (`qlite --help` loads no torch)."""
+
+    def __init__(self, read):
+        self.read = read
+        super().__init__([])
+
+    @property
+    def choices(self):
+        return tuple(self.read())
+
+    @choices.setter
+    def choices(self, value):
+        pass
+
+
+def _kernel_names():
+    from .backends import BACKENDS
+    return list(BACKENDS)
+
+
+def _format_spellings():
+    from .formats import format_spellings
+    return format_spellings()
+
+
+def _bit_widths():
+    from .formats import bit_widths
+    return bit_widths()
+
+
+def _preset_names():
+    from quantize.presets import preset_names
+    return preset_names()
+
+
+KERNEL_CHOICES = Registered(_kernel_names)
 
 
 class Number(click.ParamType):
@@ -139,7 +177,7 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
     params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
-    from .generate import stream_text
+    from .decode import stream_text
     generated = []
     t1 = time.perf_counter()
     for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append):
@@ -225,13 +263,16 @@ def info(model_dir):
 
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
-@click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<format>)")
-@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<preset or format>)")
+@click.option("--preset", type=Registered(_preset_names), help="a named recipe (README \"Which recipe\"): fast, "
+              "q4 (the default when no format option is given), q4-gptq, q8; with --out, --skip, --force, "
+              "--no-report, --max-shard-size only")
+@click.option("--bits", type=Registered(_bit_widths), default="4", show_default=True)
 @click.option("--group-size", type=at_least(1), default=None,
               help="weights per scale along the input; int4 default 128 (intk 32), int8 default per output channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
-@click.option("--format", "scheme", type=click.Choice(["int", "intk", "nf4", "llm.int8", "bnb-int8"]), default="int",
+@click.option("--format", "scheme", type=Registered(_format_spellings), default="int",
               show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric); intk: int4 whose "
               "group scales are 8-bit codes under a row scale (int4k-gG: small groups for fewer bytes); or "
               "bitsandbytes' NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
@@ -267,12 +308,22 @@ def info(model_dir):
               help="the smallest mix whose mean KLD on each built-in text (as the report measures it) is at most "
               "this, found by writing and measuring a few mixes (minutes)")
 @click.pass_context
-def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size, force,
-             no_report, method, calib_data, nsamples, seqlen, act_order, damp, target_bpw, no_slower_than, target_kld):
-    """Quantize a 16-bit checkpoint dir to int8 or int4, streaming tensor by tensor (RTN), or
-    calibrated with GPTQ one decoder layer at a time, or to a size budget (--target-bpw)."""
+def quantize(ctx, src, out, preset, bits, group_size, symmetric, skip, scheme, lm_head_bits, embed_bits, max_shard_size,
+             force, no_report, method, calib_data, nsamples, seqlen, act_order, damp, target_bpw, no_slower_than,
+             target_kld):
+    """Quantize a 16-bit checkpoint dir: by default the q4 preset (a mix of int4/int8 formats at Q4_0's
+    rate, as fast as int4-g128); --preset NAME for another recipe; or the formats, method and budget
+    chosen flag by flag."""
     skips = tuple(s.strip() for s in skip.split(",") if s.strip())
     writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
+    recipe_flags = [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in RECIPE_FLAGS
+                    if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if preset is not None or not recipe_flags:
+        if recipe_flags:
+            raise QliteError(f"--preset {preset} chooses the formats and method; drop {', '.join(recipe_flags)}")
+        from quantize.presets import DEFAULT, quantize_preset
+        click.echo(str(quantize_preset(preset or DEFAULT, src, out, skip=skips, **writing)))
+        return
     if no_slower_than is not None and target_bpw is None:
         raise QliteError("--no-slower-than: goes with --target-bpw")
     if target_bpw is not None or target_kld is not None:
@@ -288,11 +339,7 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
                                     max_shard_bytes=writing["max_shard_bytes"]))
         click.echo(str(summary))
         return
-    bits = int(bits)
-    if group_size is None and bits == 4 and scheme in ("int", "intk"):
-        group_size = 128 if scheme == "int" else 32
-    formats = dict(bits=bits, group_size=group_size, symmetric=symmetric, scheme="llm.int8" if scheme == "bnb-int8"
-                   else scheme, skip=skips,
+    formats = dict(bits=int(bits), group_size=group_size, symmetric=symmetric, scheme=scheme, skip=skips,
                    lm_head_bits=int(lm_head_bits) if lm_head_bits else None,
                    embed_bits=int(embed_bits) if embed_bits else None)
     if method != "rtn":
@@ -303,6 +350,10 @@ def quantize(ctx, src, out, bits, group_size, symmetric, skip, scheme, lm_head_b
         from quantize.convert import convert
         summary = convert(src, out, **formats, **writing)
     click.echo(str(summary))
+
+
+RECIPE_FLAGS = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits", "method", "calib_data",
+                "nsamples", "seqlen", "act_order", "damp", "target_bpw", "no_slower_than", "target_kld")
 
 
 def flags_beside_target(ctx, by_kld: bool, calibrated: bool, no_report: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Convert a qwen2 GGUF file into an ordinary checkpoint directory (config, safetensors, tokenizer).
+"""Convert a GGUF file (qwen2 and the other model types of arch/) into an ordinary checkpoint directory (config, safetensors, tokenizer).
 
 Tensors are dequantized one at a time with ggml's own reader (`gguf.quants.dequantize`) and streamed
 into safetensors. The tokenizer is rebuilt with `tokenizers` from the GGUF vocabulary and merges:
@@ -13,45 +13,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .arch import ARCHITECTURES
 from .checkpoint import FLOAT_DTYPES
-from .outputs import atomic_output_dir, check_output
+from .outputs import check_output
 from .config import Qwen2Config
 from .errors import QliteError
 from .files import open_regular
-from .safetensors_io import TensorSpec, write_sharded
+from .safetensors_io import TensorSpec, write_checkpoint_dir
 
-# Qwen2's pre-tokenizer split (digits one at a time), the one its merges were learned with.
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
-GGUF_TO_HF = [  # (GGUF name pattern, HF name template)
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{}.input_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{}.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.(weight|bias)", "model.layers.{}.self_attn.q_proj.{}"),
-    (r"blk\.(\d+)\.attn_k\.(weight|bias)", "model.layers.{}.self_attn.k_proj.{}"),
-    (r"blk\.(\d+)\.attn_v\.(weight|bias)", "model.layers.{}.self_attn.v_proj.{}"),
-    (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{}.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{}.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{}.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{}.mlp.down_proj.weight"),
-]
+
+def _names(arch) -> tuple:
+    return arch.gguf_names if arch is not None else tuple({p: t for a in ARCHITECTURES.values() for p, t in a.gguf_names}.items())
 
 
-def hf_name(gguf_name: str) -> str:
-    for pattern, template in GGUF_TO_HF:
+def hf_name(gguf_name: str, arch=None) -> str:
+    """A GGUF tensor's name in an HF checkpoint of that architecture (arch None: any's)."""
+    for pattern, template in _names(arch):
         m = re.fullmatch(pattern, gguf_name)
         if m:
             return template.format(*m.groups())
-    raise QliteError(f"GGUF tensor {gguf_name!r} has no qwen2 counterpart")
+    raise QliteError(f"GGUF tensor {gguf_name!r} has no {arch.model_type if arch else 'known'} counterpart")
 
 
-def gguf_name(name: str) -> str:
-    """hf_name's inverse: a Qwen2 checkpoint tensor's GGUF name."""
-    for pattern, template in GGUF_TO_HF:
+def gguf_name(name: str, arch=None) -> str:
+    """hf_name's inverse: a checkpoint tensor's GGUF name."""
+    for pattern, template in _names(arch):
         parts = template.split("{}")
         groups = [r"(\d+)", r"(weight|bias)"]
         hf_pattern = "".join(re.escape(p) + (groups[i] if i < len(parts) - 1 else "") for i, p in enumerate(parts))
@@ -64,40 +52,57 @@ def gguf_name(name: str) -> str:
     raise QliteError(f"tensor {name!r} has no GGUF counterpart")
 
 
+def gguf_architecture(reader):
+    name = _field(reader, "general.architecture")
+    arch = next((a for a in ARCHITECTURES.values() if a.gguf_arch == name), None)
+    if arch is None:
+        known = ", ".join(repr(a.gguf_arch) for a in ARCHITECTURES.values())
+        raise QliteError(f"architecture is {name!r}, qlite imports {known}")
+    return arch
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
 def read_config(reader) -> dict:
-    arch = _field(reader, "general.architecture")
-    if arch != "qwen2":
-        raise QliteError(f"architecture is {arch!r}, qlite imports only 'qwen2'")
+    arch = gguf_architecture(reader)
+    p = arch.gguf_arch  # the metadata keys' prefix
     try:
-        n_head = int(_field(reader, "qwen2.attention.head_count"))
+        n_head = int(_field(reader, f"{p}.attention.head_count"))
+        hidden = int(_field(reader, f"{p}.embedding_length"))
         cfg = {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
+            "architectures": [arch.hf_class],
+            "model_type": arch.model_type,
             "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
-            "hidden_size": int(_field(reader, "qwen2.embedding_length")),
-            "intermediate_size": int(_field(reader, "qwen2.feed_forward_length")),
-            "num_hidden_layers": int(_field(reader, "qwen2.block_count")),
+            "hidden_size": hidden,
+            "intermediate_size": int(_field(reader, f"{p}.feed_forward_length")),
+            "num_hidden_layers": int(_field(reader, f"{p}.block_count")),
             "num_attention_heads": n_head,
-            "num_key_value_heads": int(_field(reader, "qwen2.attention.head_count_kv", n_head)),
-            "max_position_embeddings": int(_field(reader, "qwen2.context_length")),
-            "rope_theta": float(_field(reader, "qwen2.rope.freq_base", 1_000_000.0)),
-            "rms_norm_eps": float(np.float32(_field(reader, "qwen2.attention.layer_norm_rms_epsilon"))),
+            "num_key_value_heads": int(_field(reader, f"{p}.attention.head_count_kv", n_head)),
+            "max_position_embeddings": int(_field(reader, f"{p}.context_length")),
+            "rope_theta": float(_field(reader, f"{p}.rope.freq_base", arch.rope_theta)),
+            "rms_norm_eps": float(np.float32(_field(reader, f"{p}.attention.layer_norm_rms_epsilon"))),
             "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-            "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 151643)),
+            "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", arch.gguf_bos)),
             "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
             "hidden_act": "silu",
         }
+        head_dim = _field(reader, f"{p}.attention.key_length")
+        if head_dim is not None and int(head_dim) * n_head != hidden:
+            cfg["head_dim"] = int(head_dim)
+        if arch.qkv_bias is None:
+            cfg["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+            raise QliteError("the GGUF holds rope_freqs (scaled rotary frequencies, as llama.cpp writes Llama 3.1's): "
+                             "not imported yet")
     except (KeyError, TypeError) as e:
         raise QliteError(f"GGUF metadata incomplete ({e})") from None
     cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")  # stored as float32: 1e-6, not 9.99e-7
     blocks = {int(m[1]) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in reader.tensors) if m}
     if len(blocks) != cfg["num_hidden_layers"] or blocks and max(blocks) != len(blocks) - 1:  # 0..n-1
-        raise QliteError(f"qwen2.block_count is {cfg['num_hidden_layers']}, the tensors hold {len(blocks)} blocks")
+        raise QliteError(f"{p}.block_count is {cfg['num_hidden_layers']}, the tensors hold {len(blocks)} blocks")
     return cfg
 
 
@@ -113,7 +118,7 @@ def build_tokenizer(reader):
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(gguf_architecture(reader).gguf_split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -154,7 +159,7 @@ def _dequantized(t) -> np.ndarray:
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", force: bool = False,
                 progress: bool = True, out_flag: str = "--out") -> Path:
-    """Write a checkpoint dir for a qwen2 GGUF file. Tensors are stored in `dtype` (float16 default).
+    """Write a checkpoint dir for a GGUF file of a model type qlite runs. Tensors are stored in `dtype` (float16 default).
     out_flag: how errors name out_dir (the command's flag or argument)."""
     from gguf import GGUFReader
 
@@ -172,7 +177,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         raise QliteError(f"{gguf_path}: not a readable GGUF file ({e})") from None
     try:
         config, tokenizer, tok_config, gen_config = read_metadata(reader)
-        specs = [TensorSpec(hf_name(t.name), torch_dtype, tuple(int(d) for d in reversed(t.shape)))
+        arch = gguf_architecture(reader)
+        specs = [TensorSpec(hf_name(t.name, arch), torch_dtype, tuple(int(d) for d in reversed(t.shape)))
                  for t in reader.tensors]
     except QliteError as e:
         raise QliteError(f"{gguf_path}: {e}") from None
@@ -188,12 +194,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     def tensors():
         from tqdm import tqdm
         for t in tqdm(reader.tensors, desc="import", unit="tensor", disable=not progress, leave=False):
-            yield hf_name(t.name), torch.from_numpy(_dequantized(t)).to(torch_dtype)
+            name = hf_name(t.name, arch)
+            tensor = torch.from_numpy(_dequantized(t)).to(torch_dtype)
+            order = arch.gguf_rows(name, tensor.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads)
+            yield name, tensor if order is None else tensor[torch.argsort(order)]
 
-    with atomic_output_dir(out_dir, force=force, inputs=(gguf_path,), flag=out_flag) as tmp:
-        write_sharded(tmp, specs, tensors(), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
-        (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2))
+    files = {"tokenizer.json": tokenizer.to_str(pretty=True),
+             "tokenizer_config.json": json.dumps(tok_config, indent=2, ensure_ascii=False),
+             "generation_config.json": json.dumps(gen_config, indent=2)}
+    write_checkpoint_dir(out_dir, specs, tensors(), config, inputs=(gguf_path,), force=force, flag=out_flag, files=files)
     return out_dir

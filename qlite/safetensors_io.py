@@ -113,3 +113,24 @@ def write_sharded(out_dir: Path, specs: list[TensorSpec], tensors, max_shard_byt
                  "weight_map": {s.name: fname for shard, fname in zip(shards, names) for s in shard}}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return names
+
+
+def write_checkpoint_dir(out: Path, specs: list[TensorSpec], tensors, config: dict, *, inputs=(), force: bool = False,
+                         flag: str = "--out", side_files=(), files: dict[str, str] | None = None,
+                         max_shard_bytes: int = 2 << 30, finish=None):
+    """The one writer of checkpoint dirs (quantize, export, import, import-gguf): `tensors` in the order
+    of `specs` as shards, side files copied as regular files, `files` (name -> text) and config.json,
+    all in a temporary dir that replaces `out` only when complete (outputs.atomic_output_dir). finish(tmp):
+    called last, inside; its result is returned."""
+    import shutil
+
+    from .outputs import atomic_output_dir
+
+    with atomic_output_dir(out, force=force, inputs=inputs, flag=flag) as tmp:
+        write_sharded(tmp, specs, tensors, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
+        for f in side_files:
+            shutil.copyfile(Path(f).resolve(), tmp / Path(f).name)  # the bytes, as a regular file
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        return finish(tmp) if finish is not None else None

@@ -3,7 +3,7 @@ layer's q/k/v, o_proj, gate/up and down_proj, the embeddings, lm_head) such that
 together take at most B bits per parameter (every stored byte, norms and biases included, times 8,
 over the source's parameter count), with the least estimated KLD.
 
-Candidates are the formats with native kernels on every layer width they divide (CANDIDATES; int4k-g32's
+Candidates are the formats with native kernels on every layer width they divide (those with a decode_ps; int4k-g32's
 are the integer-activation products, which the AVX-512 and the AVX2 kernels both have), and 16-bit (the
 source's own tensor, copied). Small int4 groups are int4k's (8-bit scales under a row scale): the error of
 int4-g32 / -g64 in 0.25 / 0.125 fewer bits per weight. Each unit's cost in each format is its estimated KLD alone
@@ -12,7 +12,7 @@ a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then writte
 as any other, with per-module formats in its quantization_config (format_version 3).
 
 `--no-slower-than FORMAT` adds a decode-time budget: the mix's estimated one-token step (each unit's
-weights times its choice's DECODE_PS; the embeddings' lookup reads one row, so nothing) must take no
+weights times its choice's decode_ps; the embeddings' lookup reads one row, so nothing) must take no
 longer than that of the model in FORMAT (its decoder linears, lm_head int8: what `qlite quantize`
 writes by default). Solved by pricing time in KLD: the knapsack on cost KLD + lambda x seconds, with
 the smallest lambda (bisected) whose mix meets the time.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from qlite.errors import QliteError
-from qlite.formats import Format, format_named
+from qlite.formats import Format, budget_candidates, format_named
 from qlite.outputs import atomic_output_dir
 from qlite.qconfig import EMBEDDINGS, QuantConfig
 from .convert import Summary, convert, plan_conversion, source_and_output
@@ -42,15 +42,16 @@ from .knapsack import choose
 from .report import can_measure
 from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
 
-CANDIDATES = ("int4-g128", "int4k-g64", "int4k-g32", "int8", "int8-g32")  # and 16-bit (None)
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
-# Picoseconds per weight of a decode step in each choice, from whole fused steps of single-format demo
-# checkpoints (`python -m eval.kernel_bench --steps DIR`, 2 rounds, the faster; AMD EPYC Zen 4, AVX-512
-# VNNI, 2 threads): the int8 model's step over all its weights (decoder and lm_head), each other decoder
-# format by its step's difference from the int8 one (lm_head int8 in all), 16-bit by the whole model's.
-# The step's fixed part (attention, norms) is spread over every weight alike, which cancels in the one use
-# of these numbers: comparing a mix with a reference model of the same weights. An AVX2 CPU's differ.
-DECODE_PS = {"int4-g128": 13.5, "int4k-g64": 16.2, "int4k-g32": 18.5, "int8": 18.2, "int8-g32": 20.5, None: 35.8}
+# Picoseconds per weight of a 16-bit decode step, the whole model's step over its weights; each quantized
+# format's is its class's `decode_ps` (formats.py, measured the same way). The step's fixed part (attention,
+# norms) is spread over every weight alike, which cancels in the one use of these numbers: comparing a mix
+# with a reference model of the same weights. An AVX2 CPU's differ.
+FLOAT_DECODE_PS = 35.8
+
+
+def decode_ps(fmt: Format | None) -> float:
+    return FLOAT_DECODE_PS if fmt is None else fmt.budget_ps
 TABLE = "table"  # a tied model's embeddings and lm_head, chosen together (one stored copy when equal)
 
 
@@ -70,7 +71,7 @@ def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | 
     infos = unit_infos(src, unit)
     fmts: list[Format | None] = [None]
     if not any(s and s in m for s in skip for m in unit.modules):
-        for candidate in map(format_named, CANDIDATES):
+        for candidate in budget_candidates():
             try:
                 for info in infos:
                     candidate.check(info.shape[1], unit.name)
@@ -94,10 +95,10 @@ class Mixer:
         held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
         self.fixed = sum(info.nbytes for name, info in src.tensors.items() if name not in held)  # norms, biases
         self.costs = {u: [0.0] * len(o) for u, o in self.options.items()}  # until measured
-        # decode seconds of each option: weights read per token x DECODE_PS (a lookup reads one row: 0)
+        # decode seconds of each option: weights read per token x decode_ps (a lookup reads one row: 0)
         weights = {u.name: 0 if u.name == EMBEDDINGS else sum(math.prod(i.shape) for i in unit_infos(src, u))
                    for u in self.units}
-        self.seconds = {u: [1e-12 * weights[u] * DECODE_PS[f and f.name] for f, _ in o]
+        self.seconds = {u: [1e-12 * weights[u] * decode_ps(f) for f, _ in o]
                         for u, o in self.options.items()}
 
     def table(self, price: float = 0.0) -> tuple[list[str], list[list[tuple[int, float]]]]:
@@ -114,6 +115,13 @@ class Mixer:
                           for i, (fe, be) in enumerate(emb) for j, (fh, bh) in enumerate(head)])
             names.append(TABLE)
         return names, table
+
+    def bits_at_rate(self, rate: float) -> float:
+        """The bits per parameter of a checkpoint whose units take `rate` bits per weight (a tied table
+        once) and whose other tensors are as stored."""
+        held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
+        weights = sum(math.prod(info.shape) for name, info in self.src.tensors.items() if name in held)
+        return (rate * weights + 8 * self.fixed) / self.params
 
     def bytes_for(self, bits_per_parameter: float) -> int:
         """The byte budget of the units for a whole-checkpoint bits-per-parameter budget."""
@@ -179,14 +187,15 @@ class Mixer:
         return sum(self.costs[u][self._option(u, formats)] for u in self.options)
 
     def decode_seconds(self, formats: dict[str, Format | None]) -> float:
-        """The estimated decode step of a mix (every module's format): its products' DECODE_PS."""
+        """The estimated decode step of a mix (every module's format): its products' decode_ps."""
         return sum(self.seconds[u][self._option(u, formats)] for u in self.options)
 
     def reference_seconds(self, name: str) -> float:
         """The estimated decode step of the model in format `name` (a candidate), as `qlite quantize`
         writes it: every decoder linear it fits (the others, and skipped ones, 16-bit), lm_head int8."""
-        if name not in DECODE_PS:
-            raise QliteError(f"--no-slower-than {name}: choose one of {', '.join(k for k in DECODE_PS if k)}")
+        names = [f.name for f in budget_candidates()]
+        if name not in names:
+            raise QliteError(f"--no-slower-than {name}: choose one of {', '.join(names)}")
         fmt, formats = format_named(name), {EMBEDDINGS: None, "lm_head": format_named("int8")}
         for u in self.units:
             if u.name not in (EMBEDDINGS, "lm_head"):
@@ -217,27 +226,50 @@ def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: 
     return Mixer(src, tuple(skip)), out
 
 
+def note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
 def positive(value, flag: str, what: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise QliteError(f"{flag} {value}: must be a positive {what}")
 
 
-def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float, skip: tuple[str, ...] = (),
-                   windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES, force: bool = False,
-                   max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
-                   method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None) -> Summary:
+def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float | None = None,
+                   skip: tuple[str, ...] = (), windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES,
+                   force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
+                   method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None,
+                   rate: float | None = None, preset: str | None = None) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
-    module docstring); returns the converter's Summary. method: rtn, or a calibrated one (gptq, act-rtn) with
-    these calibrated_convert settings (calib, nsamples, seqlen, act_order, damp).
-    no_slower_than: a format name; the mix's estimated decode step at most that model's."""
-    positive(target_bpw, "--target-bpw", "number of bits per parameter")
+    module docstring), or, given `rate` instead, within that many bits per quantizable weight
+    (Mixer.bits_at_rate); returns the converter's Summary. method: rtn, or a calibrated one (gptq,
+    act-rtn) with these calibrated_convert settings (calib, nsamples, seqlen, act_order, damp).
+    no_slower_than: a format name; the mix's estimated decode step at most that model's. preset: the
+    --preset name recorded (and the default output dir's suffix)."""
+    if rate is not None:
+        positive(rate, "--preset", "number of bits per weight")
+    else:
+        positive(target_bpw, "--target-bpw", "number of bits per parameter")
     t0 = time.perf_counter()
-    settings = {"target_bpw": target_bpw, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
+    settings = {"sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
+    settings.update({"preset": preset, "rate": rate} if rate is not None else {"target_bpw": target_bpw})
     if no_slower_than:
         settings["no_slower_than"] = no_slower_than
     mixer, out = prepare(src, out, settings, skip, force, "--target-bpw")
-    budget = mixer.bytes_for(target_bpw)
     max_seconds = mixer.reference_seconds(no_slower_than) if no_slower_than else None
+    if rate is not None:  # a preset always writes: its smallest mix, or without the speed bound, when it must
+        target_bpw = math.floor(mixer.bits_at_rate(rate) * 1e4) / 1e4
+        if mixer.mix(mixer.bytes_for(target_bpw)) is None:
+            target_bpw = math.ceil(mixer.smallest_bits() * 1e4) / 1e4
+            note(f"--preset {preset}: {rate:g} bits per weight is below {mixer.src.path}'s smallest mix (layer widths "
+                 f"that int4-g128 does not divide); writing that, {target_bpw:g} bits per parameter")
+        if max_seconds is not None and mixer.mix(mixer.bytes_for(target_bpw), max_seconds) is None:
+            note(f"--preset {preset}: no mix within {target_bpw:g} bits per parameter decodes as fast as "
+                 f"{no_slower_than} (estimated); writing the least-KLD mix within that size")
+            max_seconds = None
+            settings.pop("no_slower_than")
+        settings["target_bpw"] = target_bpw
+    budget = mixer.bytes_for(target_bpw)
     if mixer.mix(budget) is None:
         raise QliteError(f"--target-bpw {target_bpw:g}: below the smallest mix for {mixer.src.path} "
                          f"({mixer.smallest_bits():.3f} bits per parameter, every quantized tensor in its smallest format)")

@@ -10,9 +10,7 @@
 `calibrated_convert` (GPTQ, act-rtn) are the two quantize functions behind the same plan and writer."""
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,9 +24,9 @@ from qlite.formats import Format
 from qlite.info import REPORT_NAME
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
-from qlite.outputs import atomic_output_dir, check_output
+from qlite.outputs import check_output
 from qlite.qconfig import EMBEDDINGS, QuantConfig
-from qlite.safetensors_io import TensorSpec, made_in_order, write_sharded
+from qlite.safetensors_io import TensorSpec, made_in_order, write_checkpoint_dir
 
 PARTS = {"lm_head": "lm_head", EMBEDDINGS: "embeddings"}  # output module -> part; any other: "linears"
 
@@ -211,13 +209,10 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
         with tqdm(total=len(plan.jobs), desc="quantize", unit="tensor", disable=not progress) as bar:
             yield from made_in_order(plan.specs, plan.made_by, made, bar.update)
 
-    with atomic_output_dir(out, force=force, inputs=(plan.src.path,)) as tmp:
-        write_sharded(tmp, plan.specs, produce(), max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
-        for f in plan.side_files:
-            shutil.copyfile(f.resolve(), tmp / f.name)  # the bytes, as a regular file
-        config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        return write_report(plan, tmp, fidelity)
+    config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
+    return write_checkpoint_dir(out, plan.specs, produce(), config, inputs=(plan.src.path,), force=force,
+                                side_files=plan.side_files, max_shard_bytes=max_shard_bytes,
+                                finish=lambda tmp: write_report(plan, tmp, fidelity))
 
 
 def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig | None = None, *,

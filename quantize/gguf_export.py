@@ -12,7 +12,6 @@ import torch
 
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
-from qlite.formats import Int4, Int8
 from qlite.gguf import gguf_name
 from qlite.outputs import atomic_output_file, check_output_file
 from qlite.tokenizer import read_tokenizer
@@ -50,6 +49,12 @@ def dense_array(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def in_gguf_order(name: str, rows: torch.Tensor, cfg) -> torch.Tensor:
+    """A tensor's rows (HF name) in the order llama.cpp's converter writes them (arch.gguf_rows)."""
+    order = cfg.arch.gguf_rows(name, rows.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads)
+    return rows if order is None else rows[order]
+
+
 def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> list[str]:
     from gguf import GGMLQuantizationType, GGUFWriter, SpecialVocab
 
@@ -67,35 +72,36 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             continue
         if module in quantized and suffix == "qweight":
             fmt = qcfg.format_for(module)
-            if not isinstance(fmt, (Int4, Int8)):
+            if not fmt.exports:
                 raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
             n = info.shape[0]
             k = foreign.stored_in_features(src, module, fmt)
-            kind = foreign.gguf_type(fmt, src.read(f"{module}.zeros") if isinstance(fmt, Int4) else None)
+            kind = foreign.gguf_type(fmt.bits, foreign.affine_of(src, module, fmt, qcfg)[2], module)
             if module != "lm_head":
                 kinds.add(kind)  # the file type names the decoder's
             row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]
 
             def blocks(m=module, f=fmt, k=k):
                 stored = foreign.read_module(src, m, f, None)[0]
-                return foreign.to_gguf_blocks(f, stored, k, m)[1].numpy()
-            plan.append((gguf_name(f"{module}.weight"), ((n, row_bytes), np.uint8, n * row_bytes,
+                return in_gguf_order(f"{m}.weight", foreign.to_gguf_blocks(f, stored, k, m)[1], cfg).numpy()
+            plan.append((gguf_name(f"{module}.weight", cfg.arch), ((n, row_bytes), np.uint8, n * row_bytes,
                                                          getattr(GGMLQuantizationType, kind)), blocks))
         elif len(info.shape) == 1:
-            plan.append((gguf_name(name), (info.shape, np.float32, 4 * info.shape[0], None),
-                         lambda n=name: dense_array(src.read(n))))
+            plan.append((gguf_name(name, cfg.arch), (info.shape, np.float32, 4 * info.shape[0], None),
+                         lambda n=name: dense_array(in_gguf_order(n, src.read(n), cfg))))
         else:
             raw = GGMLQuantizationType.BF16 if info.dtype == "BF16" else None
             shape = (info.shape[0], info.shape[1] * 2) if raw else info.shape
             dtype = {"F16": np.float16, "F32": np.float32, "BF16": np.uint8}[info.dtype]
-            plan.append((gguf_name(name), (shape, dtype, info.nbytes, raw), lambda n=name: dense_array(src.read(n))))
+            plan.append((gguf_name(name, cfg.arch), (shape, dtype, info.nbytes, raw),
+                         lambda n=name: dense_array(in_gguf_order(n, src.read(n), cfg))))
     main_kind = "Q4_1" if "Q4_1" in kinds else next(iter(kinds), None)
     notes = ["asymmetric int4 written as Q4_1: each block's minimum (-zero * scale) is rounded to float16"
              ] if "Q4_1" in kinds else []
     tokens, types = tokenizer_metadata(src, cfg.vocab_size)
 
     with atomic_output_file(out) as tmp:
-        writer = GGUFWriter(tmp, "qwen2")
+        writer = GGUFWriter(tmp, cfg.arch.gguf_arch)
         writer.add_name(src.path.name)
         writer.add_context_length(cfg.max_position_embeddings)
         writer.add_embedding_length(cfg.hidden_size)
@@ -103,12 +109,15 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
         writer.add_block_count(cfg.num_hidden_layers)
         writer.add_head_count(cfg.num_attention_heads)
         writer.add_head_count_kv(cfg.num_key_value_heads)
+        if cfg.explicit_head_dim is not None:
+            writer.add_key_length(cfg.head_dim)
+            writer.add_value_length(cfg.head_dim)
         writer.add_rope_freq_base(cfg.rope_theta)
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         writer.add_file_type(FILE_TYPES[main_kind])
         writer.add_quantization_version(2)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
+        writer.add_tokenizer_pre(cfg.arch.gguf_pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         SpecialVocab(src.path, load_merges=True, n_vocab=cfg.vocab_size).add_to_gguf(writer, quiet=True)

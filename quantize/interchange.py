@@ -13,9 +13,7 @@ compressor ignores g_idx), layer-specific 16-bit layers to GPTQ (it names them p
 """
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,10 +25,10 @@ from qlite.config import Qwen2Config
 from qlite.fields import field_of
 from qlite.files import read_checkpoint_json
 from qlite.errors import QliteError
-from qlite.formats import Format, Int4, Int8
-from qlite.outputs import atomic_output_dir, check_output
+from qlite.formats import Format, format_for_peer
+from qlite.outputs import check_output
 from qlite.qconfig import EMBEDDINGS, LINEAR_KINDS, QuantConfig
-from qlite.safetensors_io import TensorSpec, made_in_order, write_sharded
+from qlite.safetensors_io import TensorSpec, made_in_order, write_checkpoint_dir
 
 from . import foreign
 from .convert import expected_tensors, loading_order
@@ -83,12 +81,8 @@ def write_dir(src: CheckpointDir, out: Path, output: Output, config: dict, force
               desc: str, skip_files=(), specs: list[TensorSpec] | None = None) -> None:
     """specs: the order to write the output's tensors in (default: its jobs' order)."""
     specs = output.specs() if specs is None else specs
-    with atomic_output_dir(out, force=force, inputs=(src.path,)) as tmp:
-        write_sharded(tmp, specs, output.tensors(specs, progress, desc), metadata={"format": "pt"})
-        for f in src.side_files():
-            if f.name not in skip_files:
-                shutil.copyfile(f.resolve(), tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_checkpoint_dir(out, specs, output.tensors(specs, progress, desc), config, inputs=(src.path,), force=force,
+                         side_files=[f for f in src.side_files() if f.name not in skip_files])
 
 
 # --- export ----------------------------------------------------------------------------------------
@@ -102,7 +96,7 @@ def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict
     layer = {}
     for module in modules:
         fmt = cfg.quantization.format_for(module)
-        if not isinstance(fmt, (Int4, Int8)):
+        if fmt is None or not fmt.exports:
             raise QliteError(f"{src.path}: {module} is {fmt.name if fmt else '16-bit'}; only qlite's int4 and int8 "
                              f"formats export (bitsandbytes formats stay bitsandbytes')")
         layer[module] = (src.tensors[f"{module}.scales"].shape[0], foreign.stored_in_features(src, module, fmt))
@@ -167,7 +161,7 @@ def _base_config(src: CheckpointDir, layers: dict) -> dict:
 
 
 def ct_weights_args(fmt: Format) -> dict:
-    return {"num_bits": fmt.bits, "type": "int", "symmetric": foreign.ct_symmetric(fmt),
+    return {"num_bits": fmt.bits, "type": "int", "symmetric": fmt.affine_symmetric,
             "strategy": "channel" if fmt.group_size is None else "group", "group_size": fmt.group_size,
             "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
 
@@ -215,7 +209,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
         raise QliteError(f"{src.path}: 16-bit layers by name ({', '.join(qcfg.skip)}); GPTQ names them per block only: "
                          f"export --to compressed-tensors")
     decoder = [m for m in layers if m != "lm_head"]
-    zero_free = all(not (src.read(f"{m}.zeros") == 0).any() for m in decoder if isinstance(fmt, Int4))
+    zero_free = all(not (foreign.affine_of(src, m, fmt, qcfg)[2] == 0).any() for m in decoder)
     if gptq_format == "v1" and not zero_free:
         raise QliteError(f"--gptq-format v1: {src.path} has groups with zero point 0, which GPTQ v1 cannot store "
                          f"(it stores zero - 1); use --gptq-format v2 (or auto)")
@@ -236,7 +230,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
     config = _base_config(src, layers)
     config["quantization_config"] = {
         "quant_method": "gptq", "bits": fmt.bits, "group_size": -1 if fmt.group_size is None else fmt.group_size,
-        "desc_act": qcfg.input_order, "sym": foreign.ct_symmetric(fmt), "static_groups": False,
+        "desc_act": qcfg.input_order, "sym": fmt.affine_symmetric, "static_groups": False,
         "true_sequential": True, "lm_head": False, "damp_percent": qcfg.params.get("damp", 0.01),
         "checkpoint_format": "gptq" if v1 else "gptq_v2", "pack_dtype": "int32",
         "modules_in_block_to_quantize": [[_block_name(k) for k in LINEAR_KINDS if k in qcfg.modules]]}
@@ -323,8 +317,7 @@ class GptqSource(ForeignSource):
             self.sym = field_of(q, "sym", bool, where, True)
         except (KeyError, TypeError, ValueError) as e:
             raise QliteError(f"{where}: malformed GPTQ quantization_config ({e})") from None
-        if self.bits not in (4, 8):
-            raise QliteError(f"{where}: bits {self.bits}; qlite reads 4- and 8-bit GPTQ")
+        format_for_peer(self.bits, None, self.sym, 1, where)  # a width or grid qlite has no format for: refused now
         if group == 0 or group < -1:
             raise QliteError(f"{where}: group_size {group}: must be -1 or positive")
         self.group = None if group == -1 else group
@@ -337,7 +330,7 @@ class GptqSource(ForeignSource):
         if self.group is not None and in_features % self.group:
             raise QliteError(f"{self.where}: group_size {self.group} does not divide {module}'s input width "
                              f"{in_features}")
-        return foreign.qlite_format(self.bits, self.group, self.sym, in_features, self.where)
+        return format_for_peer(self.bits, self.group, self.sym, in_features, self.where)
 
     def read(self, module, fmt, shape):
         return foreign.from_gptq(fmt, self.tensors_of(module), *shape, self.v1, f"{self.src.path}: {module}")
@@ -412,7 +405,7 @@ class CompressedTensorsSource(ForeignSource):
             group = field_of(w, "group_size", int, "weights") if w["strategy"] == "group" else None
             if group is not None and (group <= 0 or in_features % group):
                 raise QliteError(f"group_size {group} does not divide {module}'s input width {in_features}")
-            return foreign.qlite_format(bits, group, field_of(w, "symmetric", bool, "weights", True), in_features,
+            return format_for_peer(bits, group, field_of(w, "symmetric", bool, "weights", True), in_features,
                                         module)
         except QliteError as e:
             raise QliteError(f"{self.where}: config_groups.{name}: {e}") from None
