@@ -42,7 +42,8 @@ def _result(load_s: float, runs: list[dict], before: tuple[int, int]) -> dict:
 
 def run_qlite(spec: dict) -> dict:
     import torch
-    from qlite.generate import SamplingParams, generate_tokens
+    from qlite.decode import generate_tokens
+    from qlite.generate import SamplingParams
     from qlite.pipeline import load
 
     torch.set_num_threads(spec["threads"])

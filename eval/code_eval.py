@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qlite.errors import QliteError
-from qlite.generate import SamplingParams, generate_tokens
+from qlite.decode import generate_tokens
+from qlite.generate import SamplingParams
 
 from .code_tasks import Task
 from .sandbox import Limits, run_python

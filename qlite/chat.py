@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, TextIO
 
 from .errors import QliteError
-from .generate import SamplingParams, stream_text
+from .decode import stream_text
+from .generate import SamplingParams
 from .pipeline import TextModel
 
 

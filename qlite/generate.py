@@ -1,11 +1,10 @@
-"""Decoding: logits processing (repetition penalty, temperature, top-k, top-p), the decode loop over a
-preallocated KV cache (left-padded batches allowed), and text streaming with stop strings.
-The processing order follows HF transformers: penalty, temperature, top-k, top-p, min-p."""
+"""Sampling: logits processing (repetition penalty, temperature, top-k, top-p, min-p, in HF transformers'
+order), left-padded batches, and text that ends before stop strings. The decode loop that uses them
+is decode.py's."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
@@ -154,54 +153,6 @@ def left_padded(prompts: list[list[int]], capacity: int, pad_id: int = 0, device
     return ids.to(device), key_mask.to(device), positions.to(device)
 
 
-@torch.inference_mode()
-def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos_ids,
-                    pad_id: int = 0) -> Iterator[torch.Tensor]:
-    """Yield the next token of every prompt (B,) each step; a row that has ended yields pad_id.
-    Prompts of different lengths are left-padded and masked. Ends at an eos in every row, at
-    max_new_tokens, or at the model's context limit."""
-    context = model.config.max_position_embeddings
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise QliteError("empty prompt")
-    B, L = len(prompts), max(len(p) for p in prompts)
-    if L >= context:
-        raise QliteError(f"prompt is {L} tokens, the model's context is {context}")
-    capacity = min(context, L + params.max_new_tokens)
-    dev = model.device
-    ids, key_mask, positions = left_padded(prompts, capacity, pad_id, dev)
-    padded = not bool(key_mask[:, :L].all())
-    seen = None
-    if params.repetition_penalty != 1.0:
-        counts = torch.zeros((B, model.config.vocab_size), dtype=torch.long, device=dev)
-        seen = counts.scatter_add_(1, ids, key_mask[:, :L].long()) > 0  # padding counts for nothing
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=dev).manual_seed(params.seed)
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-
-    cache = model.new_cache(B, min(capacity, L + INITIAL_NEW_TOKENS), limit=capacity)  # grows as tokens come
-    logits = model(ids, cache, positions, key_mask[:, :L] if padded else None, last_only=True)
-    next_pos = positions[:, -1:] + 1  # (B, 1)
-    for step in range(capacity - L):
-        top, finite = model.ops.argmax_rows(logits[:, -1])
-        if not all(finite):
-            raise QliteError(f"{NON_FINITE} (at generated token {step + 1})")
-        token = torch.tensor(top, device=dev) if params.greedy and seen is None else \
-            next_token(logits[:, -1].float(), params, seen, generator)
-        token = token.masked_fill(finished, pad_id)
-        yield token
-        finished |= torch.isin(token, eos)
-        if step == capacity - L - 1 or bool(finished.all()):
-            return
-        if seen is not None:
-            seen.scatter_(1, token[:, None], True)
-        key_mask[:, L + step] = True
-        logits = model(token[:, None], cache, next_pos, key_mask[:, :L + step + 1] if padded else None,
-                       last_only=True)
-        next_pos = next_pos + 1
-
-
 class StopText:
     """Text of tokens pushed one at a time, ending before the first stop string: text that could be
     the start of a stop string is held back until it is known not to be."""
@@ -239,35 +190,3 @@ class StopText:
         cut = self._cut()
         text, self.pending = (self.pending if cut < 0 else self.pending[:cut]), ""
         return text
-
-
-def detokenize(tokens: Iterable[int], tokenizer, eos_ids, stop: tuple[str, ...] = ()) -> Iterator[str]:
-    """Text pieces for a stream of token ids, ending before the first eos or stop string."""
-    text = StopText(tokenizer, stop)
-    eos_set = set(eos_ids)
-    for t in tokens:
-        if t in eos_set:
-            break
-        piece = text.push(t)
-        if piece:
-            yield piece
-        if text.stopped:
-            return
-    piece = text.flush()
-    if piece:
-        yield piece
-
-
-def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids,
-                on_token=None) -> Iterator[str]:
-    """Yield the completion's text as it is generated, ending before any eos or stop string.
-    on_token, if given, is called with each generated token id (for counting)."""
-    pad = tokenizer.pad_token_id or 0
-
-    def tokens():
-        for t in generate_tokens(model, [prompt_ids], params, eos_ids, pad_id=pad):
-            if on_token is not None:
-                on_token(int(t[0]))
-            yield int(t[0])
-
-    return detokenize(tokens(), tokenizer, eos_ids, params.stop)

@@ -8,7 +8,8 @@ from typing import Iterator
 from .errors import QliteError
 from .fields import field_of, is_int
 from .files import read_checkpoint_json
-from .generate import SamplingParams, stream_text
+from .decode import stream_text
+from .generate import SamplingParams
 from .tokenizer import Tokenizer
 
 

@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .decode import Failed, Text
 from .engine import Engine, Job
 from .errors import QliteError
 from .generate import SamplingParams
@@ -172,9 +173,9 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
         if not engine.submit(job):
             raise BadRequest("the server is busy: its queue is full, try again later", status=503)
         first = await events.get()
-        if first[0] == "error":
-            raise BadRequest(first[1], "messages" if chat else "prompt", status=first[2])
-        prompt_tokens = first[1]
+        if isinstance(first, Failed):
+            raise BadRequest(first.message, "messages" if chat else "prompt", status=first.status)
+        prompt_tokens = first.prompt_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
 
@@ -199,13 +200,14 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
                             job.cancelled = True
                             return JSONResponse({}, 499)
                         continue
-                    if ev[0] == "text":
-                        pieces.append(ev[1])
-                    elif ev[0] == "error":
-                        return error_response(ev[1], ev[2])
+                    if isinstance(ev, Text):
+                        pieces.append(ev.text)
+                    elif isinstance(ev, Failed):
+                        return error_response(ev.message, ev.status)
                     else:
                         return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
-                                             "choices": [choice("".join(pieces), ev[1], False)], "usage": usage(ev[2])})
+                                             "choices": [choice("".join(pieces), ev.reason, False)],
+                                             "usage": usage(ev.completion_tokens)})
             finally:
                 job.cancelled = True  # no-op once done; frees the row if the handler was cancelled
 
@@ -221,15 +223,15 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
                                                       "finish_reason": None}]})
                 while True:
                     ev = await events.get()
-                    if ev[0] == "text":
-                        yield chunk({**head, "choices": [choice(ev[1], None, True)]})
-                    elif ev[0] == "error":
-                        yield chunk({"error": {"message": ev[1], "type": "server_error", "param": None, "code": None}})
+                    if isinstance(ev, Text):
+                        yield chunk({**head, "choices": [choice(ev.text, None, True)]})
+                    elif isinstance(ev, Failed):
+                        yield chunk({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
                         break
                     else:
-                        yield chunk({**head, "choices": [choice(None, ev[1], True)]})
+                        yield chunk({**head, "choices": [choice(None, ev.reason, True)]})
                         if usage_in_stream:
-                            yield chunk({**head, "choices": [], "usage": usage(ev[2])})
+                            yield chunk({**head, "choices": [], "usage": usage(ev.completion_tokens)})
                         break
                 yield "data: [DONE]\n\n"
             finally:
@@ -355,7 +357,7 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     engine = Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue).start()
     model_id = Path(model_dir).expanduser().resolve().name
     log(f"serving {model_id} on http://{host}:{port}/v1 (max batch {max_batch}, context {engine.ctx}, "
-        f"KV cache {engine.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
+        f"KV cache {engine.cache.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
         f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
     config = server_config(make_app(lm, engine, model_id, limits), host, port, limits, timeout_graceful_shutdown=60)
     try:

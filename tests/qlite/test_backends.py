@@ -7,7 +7,8 @@ import torch
 from qlite import native
 from qlite.backends import BACKENDS, NativeOps, use_backend
 from qlite.errors import QliteError
-from qlite.generate import SamplingParams, generate_tokens
+from qlite.decode import generate_tokens
+from qlite.generate import SamplingParams
 from qlite.loader import load_model
 from qlite.model import Linear, TorchOps
 from qlite.qlinear import QuantLinear

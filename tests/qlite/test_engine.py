@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qlite import native
+from qlite.decode import Done, Failed, Text
 from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
 from qlite.fused import FusedLayers
 from qlite.pipeline import load
@@ -40,10 +41,10 @@ def submit(engine, lm, prompt, max_tokens, answers):
     pieces = []
 
     def emit(event):
-        if event[0] == "text":
-            pieces.append(event[1])
-        elif event[0] in ("done", "error"):
-            answers[prompt] = "".join(pieces) if event[0] == "done" else event
+        if isinstance(event, Text):
+            pieces.append(event.text)
+        elif isinstance(event, (Done, Failed)):
+            answers[prompt] = "".join(pieces) if isinstance(event, Done) else event
             done.set()
 
     engine.submit(Job(prepare=lambda: lm.prompt_ids(prompt, chat=False), params=lm.params(), emit=emit,
@@ -106,5 +107,6 @@ def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
         assert first.wait(60)
     finally:
         engine.stop()
-    assert answers["he he"][0] == "error" and answers["he he"][2] == 500 and "RuntimeError" in answers["he he"][1]
+    failed = answers["he he"]
+    assert isinstance(failed, Failed) and failed.status == 500 and "RuntimeError" in failed.message
     assert answers["the the he"] == want

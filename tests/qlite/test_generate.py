@@ -3,9 +3,9 @@ import torch
 
 from qlite.loader import load_model
 from qlite.errors import QliteError
+from qlite.decode import detokenize, generate_tokens, stream_text
 from qlite.generate import (SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
-                            detokenize, generate_tokens, next_token, stream_text, top_k_candidates,
-                            top_p_candidates)
+                            next_token, top_k_candidates, top_p_candidates)
 from qlite.tokenizer import Tokenizer
 
 NEG = float("-inf")

@@ -4,7 +4,8 @@ import torch
 
 from tiny_models import hf_model, make_checkpoint
 from qlite.loader import load_model
-from qlite.generate import SamplingParams, generate_tokens
+from qlite.decode import generate_tokens
+from qlite.generate import SamplingParams
 
 
 def test_logits_match_transformers(tiny_variant):
