@@ -1,4 +1,5 @@
-"""Qwen2 model config read from a checkpoint's config.json, validated."""
+"""The model config read from a checkpoint's config.json, validated; what its model type changes is
+the type's Architecture (arch/)."""
 from __future__ import annotations
 
 import math
@@ -27,24 +28,34 @@ class Qwen2Config:
     bos_token_id: int | None = None
     torch_dtype: str | None = None
     quantization: QuantConfig | None = None  # None: a 16-bit checkpoint
+    model_type: str = "qwen2"
+    attention_bias: bool = True  # q/k/v with bias
+    explicit_head_dim: int | None = None  # config.json's head_dim (else hidden_size / heads)
+    rope_scaling: tuple | None = None  # (key, value) items, checked by the architecture
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def arch(self):
+        from .arch import architecture
+        return architecture(self.model_type, "config")
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
         """Fields strictly typed (no coercion: "64", 64.7 or "false" are refused, naming the field);
         features qlite does not implement (rope_scaling, sliding window) refused by name."""
-        if d.get("model_type") != "qwen2":
-            raise QliteError(f"{source}: model_type is {d.get('model_type')!r}, qlite runs only 'qwen2'")
+        from .arch import architecture
+        arch = architecture(d.get("model_type"), source)
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
             raise QliteError(f"{source}: missing {', '.join(missing)}")
         unsupported(d, source)
         rope = field_of(d, "rope_parameters", dict, source, {})
-        rope_theta = d["rope_theta"] if d.get("rope_theta") is not None else rope.get("rope_theta", 1_000_000.0)
+        rope_theta = d["rope_theta"] if d.get("rope_theta") is not None else rope.get("rope_theta", arch.rope_theta)
+        scaling = field_of(d, "rope_scaling", dict, source, None) or {k: v for k, v in rope.items() if k != "rope_theta"}
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(is_int(e) for e in eos_ids):
@@ -64,6 +75,10 @@ class Qwen2Config:
             eos_token_ids=eos_ids,
             bos_token_id=field_of(d, "bos_token_id", int, source, None),
             torch_dtype=field_of(d, "torch_dtype", str, source, None) or field_of(d, "dtype", str, source, None),
+            model_type=arch.model_type,
+            attention_bias=arch.attention_bias(d, source),
+            explicit_head_dim=field_of(d, "head_dim", int, source, None),
+            rope_scaling=arch.rope_scaling(scaling, source) if scaling else None,
         )
         cfg.validate(source)
         if d.get("quantization_config") is not None:
@@ -75,7 +90,9 @@ class Qwen2Config:
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise QliteError(f"{source}: {name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.explicit_head_dim is not None and self.explicit_head_dim <= 0:
+            raise QliteError(f"{source}: head_dim must be positive, got {self.explicit_head_dim}")
+        if self.explicit_head_dim is None and self.hidden_size % self.num_attention_heads:
             raise QliteError(f"{source}: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -97,16 +114,12 @@ def load_config(model_dir: str | Path) -> Qwen2Config:
 
 
 # config.json features that change the model's numbers and that qlite does not implement: refused by
-# name rather than run silently wrong (field -> the values that mean "off")
-UNSUPPORTED = {"rope_scaling": (None,), "use_sliding_window": (None, False)}
+# name rather than run silently wrong (field -> the values that mean "off"); rope scaling is the
+# architecture's to accept or refuse
+UNSUPPORTED = {"use_sliding_window": (None, False), "mlp_bias": (None, False)}
 
 
 def unsupported(d: dict, source: str) -> None:
-    rope = d.get("rope_parameters")
-    scaling = rope.get("rope_type") if isinstance(rope, dict) else None
-    if scaling not in (None, "default"):
-        raise QliteError(f"{source}: rope_parameters.rope_type {scaling!r}: qlite implements no rope scaling yet "
-                         "(remove it to run at the original context)")
     for name, off in UNSUPPORTED.items():
         if d.get(name) not in off:
             raise QliteError(f"{source}: {name} {d[name]!r}: qlite does not implement it yet "

@@ -64,6 +64,8 @@ class FusedLayers:
             return None
         rows = []
         for layer in model.layers:
+            if hasattr(layer.self_attn, "q_norm"):  # per-head q/k norms: not in the native step
+                return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             qkv, o = products(layer.self_attn.qkv_proj), products(layer.self_attn.o_proj)
             gate_up, down = products(layer.mlp.gate_up_proj), products(layer.mlp.down_proj)

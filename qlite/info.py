@@ -16,18 +16,24 @@ DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(?!
 def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
     """Stored bits (codes, scales, zero points; not biases) per weight of the decoder's linears."""
     cfg = ckpt.config
-    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
-    weights = cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    weights = cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
     stored = sum(t.nbytes for name, t in ckpt.tensors.items() if DECODER_LINEAR.fullmatch(name))
     return 8 * stored / weights
 
 
 def logical_parameters(cfg) -> int:
-    """Parameters of the 16-bit model the config describes (whatever the storage format)."""
-    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_hidden_layers * per_layer + h + head
+    """Parameters of the 16-bit model the config describes (whatever the storage format; a tied table
+    once): the decoder's own, built on the meta device."""
+    import dataclasses
+
+    import torch
+
+    from .model import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(dataclasses.replace(cfg, quantization=None))
+    return sum(p.numel() for p in model.parameters())
 
 
 def format_name(cfg) -> str:
@@ -46,7 +52,7 @@ def describe(model_dir: str | Path) -> str:
     total = sum(by_dtype.values())
     lines = [
         f"checkpoint     {ckpt.path}",
-        f"architecture   qwen2, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"architecture   {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"mlp {cfg.intermediate_size}, heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), "
         f"head_dim {cfg.head_dim}",
         f"vocab          {cfg.vocab_size}, context {cfg.max_position_embeddings}, rope_theta {cfg.rope_theta:g}, "

@@ -1,8 +1,10 @@
-"""The Qwen2 decoder: embedding -> N x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head.
+"""The decoder: embedding -> N x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head, for the
+model types of arch/ (Qwen2, ...: what a type changes, such as q/k/v bias, per-head q/k norms or
+scaled rotary frequencies, its Architecture says).
 
-References: the Qwen2 architecture (Qwen2 technical report; HF transformers' modeling_qwen2, which the
-tests use as the reference): RMSNorm computed in float32, grouped-query attention with q/k/v bias,
-rotary embeddings in the half-rotation (NeoX) layout, SwiGLU MLP.
+References: HF transformers' modeling_qwen2 (and the other types' modeling files), which the tests use
+as the reference: RMSNorm computed in float32, grouped-query attention, rotary embeddings in the
+half-rotation (NeoX) layout, SwiGLU MLP.
 
 The decoder builds its projections fused: q/k/v as one `qkv_proj`, gate/up as one `gate_up_proj`
 (one matmul each). The loader concatenates the checkpoint's tensors into them, row blocks in order
@@ -126,12 +128,11 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin of the rotary angles for given positions, in float32."""
+    """cos/sin of the rotary angles for given positions, in float32 (frequencies: the architecture's)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", cfg.arch.inv_freq(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
@@ -204,11 +205,24 @@ class Attention(nn.Module):
         prefix = f"model.layers.{layer_idx}.self_attn."
         q_rows, kv_rows = self.n_head * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = make_linear(cfg, prefix, cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows,
-                                                                   "v_proj": kv_rows}, bias=True)
+                                                                   "v_proj": kv_rows}, bias=cfg.attention_bias)
         self.o_proj = make_linear(cfg, prefix, q_rows, {"o_proj": cfg.hidden_size}, bias=False)
+        if cfg.arch.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps), RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        return self.o_proj(self.ops.attention(self.qkv_proj(x), step, self))
+        qkv = self.qkv_proj(x)
+        if hasattr(self, "q_norm"):
+            qkv = self.normed_heads(qkv)
+        return self.o_proj(self.ops.attention(qkv, step, self))
+
+    def normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k of qkv (B, T, q|k|v) each RMS-normed per head (Qwen3), v as it is."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+        q = self.q_norm(q.reshape(B, T, self.n_head, self.head_dim)).reshape(B, T, -1)  # per head
+        k = self.k_norm(k.reshape(B, T, self.n_kv, self.head_dim)).reshape(B, T, -1)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
@@ -251,7 +265,7 @@ class Qwen2Model(nn.Module):
                              if fmt is None else QuantEmbedding(cfg.vocab_size, cfg.hidden_size, fmt))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg)
 
 
 def attention_mask(T: int, start: int, key_mask: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -62,7 +62,7 @@ def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS) -> dict:
            for text in TEXTS}  # (chunks, ctx) each: the chunks `qlite eval --max-chunks` scores
     every = torch.cat(list(ids.values()))  # (texts x chunks, ctx): the reference runs them together
     x = torch.nn.functional.embedding(every, src.read(f"{EMBEDDINGS}.weight").float())  # (rows, ctx, hidden)
-    step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(ctx)[None]), None, None, 0)
+    step = Step(*Rotary(cfg)(torch.arange(ctx)[None]), None, None, 0)
     for i in range(cfg.num_hidden_layers):
         x = float_layer(src, cfg, i)(x, step)
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -69,7 +69,7 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
     cfg = dataclasses.replace(src.config, quantization=None)
     windows, seqlen = ids.shape
     generator = torch.Generator().manual_seed(seed)
-    step = Step(*Rotary(cfg.head_dim, cfg.rope_theta)(torch.arange(seqlen)[None]), None, None, 0)
+    step = Step(*Rotary(cfg)(torch.arange(seqlen)[None]), None, None, 0)
     table = src.read(f"{EMBEDDINGS}.weight")
     inputs = [F.embedding(ids, table.float())]  # each layer's input, (windows, seqlen, hidden)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Tiny random Qwen2 checkpoints written by transformers (the test-only reference)."""
+"""Tiny random checkpoints written by transformers (the test-only reference): Qwen2 by default, any
+model type qlite runs with model_type=."""
 from __future__ import annotations
 
 import json
@@ -47,13 +48,14 @@ def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
         "chat_template": CHAT_TEMPLATE}))
 
 
-def make_checkpoint(path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def make_checkpoint(path: Path, seed: int = 0, max_shard_size: str | None = None, model_type: str = "qwen2",
+                    **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     params = dict(TINY, **overrides)
-    cfg = Qwen2Config(**params, bos_token_id=259, eos_token_id=263, pad_token_id=261)
-    model = Qwen2ForCausalLM(cfg).eval()
+    cfg = AutoConfig.for_model(model_type, **params, bos_token_id=259, eos_token_id=263, pad_token_id=261)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random init is tiny for biases and norms; make every parameter count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -68,8 +70,8 @@ def make_checkpoint(path: Path, seed: int = 0, max_shard_size: str | None = None
 
 
 def hf_model(path: Path):
-    from transformers import Qwen2ForCausalLM
-    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 PRIME_PROMPT = "Write a Python function that checks whether a number is prime."

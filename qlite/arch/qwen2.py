@@ -1,0 +1,9 @@
+"""Qwen2 / Qwen2.5: q/k/v with bias (and no other bias), default rope theta 1e6."""
+from .base import Architecture
+
+
+class Qwen2(Architecture):
+    model_type, hf_class, gguf_arch = "qwen2", "Qwen2ForCausalLM", "qwen2"
+    qkv_bias = True
+    rope_theta = 1_000_000.0
+    gguf_bos = 151643
