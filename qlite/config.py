@@ -30,6 +30,7 @@ class Qwen2Config:
     quantization: QuantConfig | None = None  # None: a 16-bit checkpoint
     model_type: str = "qwen2"
     attention_bias: bool = True  # q/k/v with bias
+    output_bias: bool = False  # o_proj with bias
     explicit_head_dim: int | None = None  # config.json's head_dim (else hidden_size / heads)
     rope_scaling: tuple | None = None  # (key, value) items, checked by the architecture
 
@@ -77,6 +78,7 @@ class Qwen2Config:
             torch_dtype=field_of(d, "torch_dtype", str, source, None) or field_of(d, "dtype", str, source, None),
             model_type=arch.model_type,
             attention_bias=arch.attention_bias(d, source),
+            output_bias=arch.qkv_bias is None and arch.attention_bias(d, source),
             explicit_head_dim=field_of(d, "head_dim", int, source, None),
             rope_scaling=arch.rope_scaling(scaling, source) if scaling else None,
         )

@@ -206,7 +206,7 @@ class Attention(nn.Module):
         q_rows, kv_rows = self.n_head * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = make_linear(cfg, prefix, cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows,
                                                                    "v_proj": kv_rows}, bias=cfg.attention_bias)
-        self.o_proj = make_linear(cfg, prefix, q_rows, {"o_proj": cfg.hidden_size}, bias=False)
+        self.o_proj = make_linear(cfg, prefix, q_rows, {"o_proj": cfg.hidden_size}, bias=cfg.output_bias)
         if cfg.arch.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps), RMSNorm(self.head_dim, cfg.rms_norm_eps)
 

@@ -36,7 +36,9 @@ class Architecture:
     -> lm_head, grouped-query attention with rotary embeddings (half rotation). A type says what differs."""
     model_type: ClassVar[str]
     hf_class: ClassVar[str]  # config.json's "architectures" entry
-    qkv_bias: ClassVar[bool | None] = None  # fixed, or None: the config's `attention_bias` (default False)
+    # q/k/v bias fixed (o_proj then has none: Qwen2), or None: the config's `attention_bias` (default False),
+    # which o_proj follows too (transformers' Llama, Qwen3)
+    qkv_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False  # RMSNorm over each head of q and k before the rotation (Qwen3)
     rope_theta: ClassVar[float] = 10000.0  # when the config gives none
     gguf_arch: ClassVar[str]  # llama.cpp's architecture name (its metadata keys' prefix)
