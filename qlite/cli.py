@@ -321,8 +321,8 @@ def quantize(ctx, src, out, preset, bits, group_size, symmetric, skip, scheme, l
     if preset is not None or not recipe_flags:
         if recipe_flags:
             raise QliteError(f"--preset {preset} chooses the formats and method; drop {', '.join(recipe_flags)}")
-        from quantize.presets import DEFAULT, quantize_preset
-        click.echo(str(quantize_preset(preset or DEFAULT, src, out, skip=skips, **writing)))
+        from quantize.presets import quantize_preset
+        click.echo(str(quantize_preset(preset, src, out, skip=skips, **writing)))
         return
     if no_slower_than is not None and target_bpw is None:
         raise QliteError("--no-slower-than: goes with --target-bpw")

@@ -1,16 +1,22 @@
 """`qlite info`: what a checkpoint dir holds, read from config and safetensors headers only."""
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
 from .checkpoint import CheckpointDir
 from .errors import QliteError
 from .files import read_json
+from .qconfig import DECODER_MODULE
 
 REPORT_NAME = "quantization_report.json"  # written by quantize/report.py
-DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.(?!bias$)\w+")
+
+
+def decoder_linear_part(name: str) -> bool:
+    """Whether a tensor is stored weight of a decoder linear (codes, scales, zero points; not a bias)."""
+    module, _, suffix = name.rpartition(".")
+    m = DECODER_MODULE.fullmatch(module)
+    return m is not None and m[1].endswith("_proj") and suffix != "bias"
 
 
 def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
@@ -18,7 +24,7 @@ def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
     cfg = ckpt.config
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     weights = cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
-    stored = sum(t.nbytes for name, t in ckpt.tensors.items() if DECODER_LINEAR.fullmatch(name))
+    stored = sum(t.nbytes for name, t in ckpt.tensors.items() if decoder_linear_part(name))
     return 8 * stored / weights
 
 

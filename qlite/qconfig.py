@@ -40,7 +40,7 @@ METHODS = ("rtn", "act-rtn", "gptq", "bnb")
 # act-rtn / GPTQ: the share of H's mean diagonal added to its diagonal (README "Commands" for how it was chosen)
 DAMP = 0.3
 EMBEDDINGS = "model.embed_tokens"
-_DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
+DECODER_MODULE = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")  # a decoder layer's module; its kind
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
                "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order", "module_formats"}
 
@@ -102,7 +102,7 @@ class QuantConfig:
                 head = legacy_head_format(linear, bits)
             embeddings = None if q.get("embed_format") is None else format_named(q["embed_format"])
             mixed = q.get("module_formats") or {}
-            if not isinstance(mixed, dict) or not all(isinstance(k, str) and _DECODER_LINEAR.fullmatch(k)
+            if not isinstance(mixed, dict) or not all(isinstance(k, str) and DECODER_MODULE.fullmatch(k)
                                                       for k in mixed):
                 raise QliteError("module_formats must map decoder linears (model.layers.N.mlp.down_proj, ...) "
                                  "to format names")
@@ -138,7 +138,7 @@ class QuantConfig:
             return self.lm_head
         if module_name == EMBEDDINGS:
             return self.embeddings
-        m = _DECODER_LINEAR.fullmatch(module_name)
+        m = DECODER_MODULE.fullmatch(module_name)
         if m and module_name in self._own_formats:
             return self._own_formats[module_name]
         return self.linear if m and m[1] in self.modules else None

@@ -13,7 +13,7 @@ compressor ignores g_idx), layer-specific 16-bit layers to GPTQ (it names them p
 """
 from __future__ import annotations
 
-import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,7 +27,7 @@ from qlite.files import read_checkpoint_json
 from qlite.errors import QliteError
 from qlite.formats import Format, format_for_peer
 from qlite.outputs import check_output
-from qlite.qconfig import EMBEDDINGS, LINEAR_KINDS, QuantConfig
+from qlite.qconfig import DECODER_MODULE, EMBEDDINGS, LINEAR_KINDS, QuantConfig
 from qlite.safetensors_io import TensorSpec, made_in_order, write_checkpoint_dir
 
 from . import foreign
@@ -35,7 +35,6 @@ from .convert import expected_tensors, loading_order
 
 EXPORT_TARGETS = ("compressed-tensors", "gptq", "gguf")
 CT_SPEC_VERSION = "0.20.1"  # the compressed-tensors release whose pack-quantized layout this writes
-_DECODER = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -46,7 +45,7 @@ def linear_modules(shapes16: dict[str, tuple]) -> dict[str, tuple[int, int]]:
 
 
 def kind(module: str) -> str:
-    m = _DECODER.fullmatch(module)
+    m = DECODER_MODULE.fullmatch(module)
     return m[1] if m else module
 
 
@@ -532,15 +531,17 @@ def _import_qconfig(formats: dict[str, Format], modules: dict, method: str, wher
     if not decoder:
         raise QliteError(f"{where}: no quantized decoder linear found")
     kinds_quantized = {kind(m) for m in decoder}
-    distinct = sorted({f.name for f in decoder.values()})
-    if len(distinct) > 1:
-        raise QliteError(f"{where}: decoder linears in {len(distinct)} formats ({', '.join(distinct)}); qlite holds "
-                         f"one format for them")
-    skip = tuple(m for m in modules if m != "lm_head" and kind(m) in kinds_quantized and m not in decoder)
     head = formats.get("lm_head")
-    qcfg = QuantConfig(next(iter(decoder.values())), head, method,
-                       tuple(k for k in LINEAR_KINDS if k in kinds_quantized), skip, {"imported_from": method},
-                       input_order)
+    if len(set(decoder.values())) > 1:  # a mix (one config group per format): every decoder linear by name
+        linears = tuple((m, formats.get(m)) for m in modules if m != "lm_head")
+        main = Counter(decoder.values()).most_common(1)[0][0]
+        qcfg = QuantConfig(main, head, method, params={"imported_from": method}, input_order=input_order,
+                           module_formats=linears)
+    else:
+        skip = tuple(m for m in modules if m != "lm_head" and kind(m) in kinds_quantized and m not in decoder)
+        qcfg = QuantConfig(next(iter(decoder.values())), head, method,
+                           tuple(k for k in LINEAR_KINDS if k in kinds_quantized), skip, {"imported_from": method},
+                           input_order)
     for m in modules:
         if qcfg.format_for(m) != formats.get(m):
             raise QliteError(f"{where}: {m}'s format cannot be expressed in qlite's quantization_config")

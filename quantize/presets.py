@@ -5,6 +5,7 @@ per 32 weights (4.5 bits), Q8_0 34 (8.5 bits), so the file is no bigger than tha
 (llama.cpp's own Q4_0 files keep some tensors at more bits). Figures: README "Which recipe"."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,9 +42,17 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
-def quantize_preset(name: str, src, out=None, *, skip: tuple[str, ...] = (), force: bool = False,
+def quantize_preset(name: str | None, src, out=None, *, skip: tuple[str, ...] = (), force: bool = False,
                     max_shard_bytes: int = 2 << 30, report: bool = True, progress: bool = True):
-    """Quantize `src` with the named preset; returns the converter's Summary."""
+    """Quantize `src` with the named preset (None: DEFAULT, or `fast` for a source without a tokenizer,
+    which a mix needs to measure with); returns the converter's Summary."""
+    if name is None:
+        from qlite.checkpoint import CheckpointDir
+        from .report import can_measure
+        name = DEFAULT
+        if not can_measure(CheckpointDir(Path(src).expanduser())):
+            print(f"note: {src} has no tokenizer.json to measure a mix with; writing --preset fast", file=sys.stderr)
+            name = "fast"
     if name not in PRESETS:
         raise QliteError(f"--preset {name}: choose {', '.join(PRESETS)}")
     preset = PRESETS[name]

@@ -110,7 +110,24 @@ def assert_gguf_round_trip(path, tmp_path, gguf_arch: str, permuted_heads=None):
             want = llama_cpp_permute(hf, n_head) if permuted_heads else hf
             got = np.asarray(tensors[f"blk.{layer}.attn_{short}.weight"].data, dtype=np.float32).reshape(hf.shape)
             assert np.allclose(got, want, atol=1e-3), f"blk.{layer}.attn_{short}.weight"
+    assert_llama_cpp_agrees(path, gguf)
     back = tmp_path / "back"
     assert main(["import-gguf", str(gguf), str(back), "--dtype", "float32"]) == 0
     assert json.loads((back / "config.json").read_text())["model_type"] == src.config.model_type
     assert_logits_match(path, load_model(back, dtype="float32"))  # float32 in the file, as stored
+
+
+def assert_llama_cpp_agrees(path, gguf):
+    """Where llama-cpp-python is installed (the bench extra): llama.cpp runs the exported file to
+    transformers' logits (it reads the names, the row order, the norms as its converter writes them)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return
+    llm = Llama(model_path=str(gguf), n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=1)
+    ids = IDS[0].tolist()
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
+    with torch.no_grad():
+        ref = hf_model(path)(IDS[:1]).logits[0]
+    assert (theirs - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()

@@ -2,6 +2,8 @@
  * threads), the same in both kernel files (kernels.c, kernels_avx2.c): each defines
  *   bf16_rows(x, w, K, nrows, out)              x bf16 [K], w bf16 [nrows, K]
  *   int8_rows(x, w, scales, K, G, nrows, out)   x fp32 [K], w int8 [nrows, K], scales fp16 [nrows, G]
+ *   int4_rows(xe, xo, xsum, w, scales, zeros, K, G, nrows, out)   xe/xo: one row's even and odd activations
+ *                                               as int4_act (to_int4_act of bf16), xsum: its groups' sums
  * (out[r] = the product with weight row r), then includes this. Also the per-block tables of both files'
  * integer-activation products (block_scales). */
 
@@ -71,4 +73,40 @@ static inline const uint16_t *block_fp16_scales(const void *scales, const uint16
         for (; g < G; g++) room[r * G + g] = _cvtss_sh(d * (float)codes[r * G + g], _MM_FROUND_TO_NEAREST_INT);
     }
     return room;
+}
+
+/* int4 weights with bf16 activations: w uint8 [N, K/2], zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8
+ * codes under row_scales, block_fp16_scales) */
+void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    long half = K / 2, gsize = K / G;
+    int4_act *xe = malloc(sizeof(int4_act) * M * K);  /* (M, 2, K/2): even then odd activations */
+    float *xsum = malloc(sizeof(float) * M * G);
+    for (long m = 0; m < M; m++) {
+        for (long i = 0; i < half; i++) {
+            xe[m * K + i] = to_int4_act(x[m * K + 2 * i]);
+            xe[m * K + half + i] = to_int4_act(x[m * K + 2 * i + 1]);
+        }
+        for (long g = 0; g < G; g++) {
+            float s = 0.f;
+            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
+            xsum[m * G + g] = s;
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        uint16_t room[ROWS * MAX_GROUPS];
+        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
+        for (long m = 0; m < M; m++) {
+            float out[ROWS];
+            const int4_act *xm = xe + m * K;
+            const float *sm = xsum + m * G;
+            if (nrows == ROWS) int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, ROWS, out);
+            else int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, nrows, out);
+            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
+        }
+    }
+    free(xe);
+    free(xsum);
 }

@@ -78,7 +78,6 @@ static inline __attribute__((always_inline)) void int8_rows(const float *x, cons
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
 }
 
-#include "drivers.h"
 
 /* ---- int4 weights ------------------------------------------------------------------------- */
 /* xe/xo: the even and odd activations of one row (bf16, K/2 each); xsum: each group's sum of x */
@@ -119,38 +118,11 @@ static inline __attribute__((always_inline)) void int4_rows(
     for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]) - _mm512_reduce_add_ps(corr[r]);
 }
 
-void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
-    long half = K / 2, gsize = K / G;
-    uint16_t *xe = malloc(sizeof(uint16_t) * M * K);  /* (M, 2, K/2): even then odd activations */
-    float *xsum = malloc(sizeof(float) * M * G);
-    for (long m = 0; m < M; m++) {
-        for (long i = 0; i < half; i++) {
-            xe[m * K + i] = x[m * K + 2 * i];
-            xe[m * K + half + i] = x[m * K + 2 * i + 1];
-        }
-        for (long g = 0; g < G; g++) {
-            float s = 0.f;
-            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
-            xsum[m * G + g] = s;
-        }
-    }
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        uint16_t room[ROWS * MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
-        for (long m = 0; m < M; m++) {
-            float out[ROWS];
-            if (nrows == ROWS) int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, sn, zeros + n * G,
-                      K, G, ROWS, out); else int4_rows(xe + m * K, xe + m * K + half, xsum + m * G, w + n * half, sn, zeros + n * G,
-                      K, G, nrows, out);
-            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-    free(xe);
-    free(xsum);
-}
+typedef uint16_t int4_act;  /* int4_rows takes its activations as bf16 */
+static inline uint16_t to_int4_act(uint16_t v) { return v; }
+
+#include "drivers.h"
+
 
 /* ---- integer activations x int4 / int8 weights (VNNI) --------------------------------------------
  * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers.
@@ -242,7 +214,7 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
 
 /* one block of nrows weight rows against mrows activation rows; out[r * XTILE + m].
  * sz[r][g] = sw z (int4) for the zero-point term, summed into the same vector before the one reduction. */
-static inline __attribute__((always_inline)) void vnni_rows(
+static inline __attribute__((always_inline)) void int_block(
         const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
         const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
     /* small: groups of 32 or 64, several per chunk. int4: lane l's 8 inputs lie in group l / (gsize / 8) of the
@@ -307,88 +279,34 @@ static inline __attribute__((always_inline)) void vnni_rows(
         }
 }
 
-/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] (int4k: uint8
- * codes under row_scales fp16 [N], block_fp16_scales; else row_scales NULL) */
-void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                     int threads) {
-    long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
-    int small = G > C;  /* groups of 32 or 64 (native.py checks) */
-    void *xq = malloc(xbytes * M * K);
-    float *xs = malloc(sizeof(float) * M * C * 16), *xsum = malloc(sizeof(float) * M * G);
-    if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else quantize_activations_int16(x, M, K, xq, xs);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        uint16_t room[ROWS * MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
-        const void *wn = (const uint8_t *)w + n * wbytes;
-        float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
-        block_scales(sn, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
-        for (long m0 = 0; m0 < M; m0 += XTILE) {
-            int mrows = M - m0 < XTILE ? (int)(M - m0) : XTILE;
-            float out[ROWS * XTILE];
-            const void *xm = (const uint8_t *)xq + m0 * K * xbytes;
-            const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
-            /* constant arguments for the common shapes: the compiler specialises each */
-            #define VNNI_ROWS(NR, MR) do { \
-                if (int4 && small) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 1, 1, NR, MR, out); \
-                else if (int4) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 1, 0, NR, MR, out); \
-                else if (small) vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 1, NR, MR, out); \
-                else vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 0, NR, MR, out); } while (0)
-            if (nrows == ROWS && mrows == XTILE) VNNI_ROWS(ROWS, XTILE);
-            else if (nrows == ROWS && mrows == 1) VNNI_ROWS(ROWS, 1);
-            else vnni_rows(xm, xsm, xsumm, K, G, wn, sn, sw, sz, int4, small, nrows, mrows, out);
-            #undef VNNI_ROWS
-            for (int r = 0; r < nrows; r++)
-                for (int m = 0; m < mrows; m++)
-                    store(y, out_bf16, (m0 + m) * N + n + r, out[r * XTILE + m] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-    free(xq);
-    free(xs);
-    free(xsum);
-}
+#include "int_driver.h"
 #else
 int qlite_vnni_abi(void) { return 0; }
 #endif
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
-void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, uint16_t *out,
-                           int threads) {
-    long gsize = K / G;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
-        for (long k = 0; k < K; k += 16) {
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[n * G + k / gsize]));
-            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + n * K + k))));
-            _mm256_storeu_si256((__m256i *)(out + n * K + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, s)));
-        }
+/* 16 int8 weights times one scale, as bf16 */
+static inline __attribute__((always_inline)) void dequantize_16_int8(const int8_t *w, float scale, uint16_t *out) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(scale))));
 }
 
-void qlite_dequantize_int4(const uint8_t *w, const void *scales, const uint16_t *row_scales, const uint8_t *zeros,
-                           long G, long N, long K, uint16_t *out, int threads) {
-    long gsize = K / G;
+/* 32 int4 weights (16 bytes, even k in the low nibbles) of one group, (q - zero) scale, as bf16 in k order */
+static inline __attribute__((always_inline)) void dequantize_32_int4(const uint8_t *w, float scale, float zero, uint16_t *out) {
     const __m512i low = _mm512_set1_epi32(0x0f);
     const __m512i idx_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i idx_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++) {
-        uint16_t room[MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, 1, room);
-        for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
-            long g = n * G + k / gsize;
-            __m512 s = _mm512_set1_ps(_cvtsh_ss(sn[k / gsize])), z = _mm512_set1_ps((float)zeros[g]);
-            __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2)));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));  /* k even */
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));  /* k odd */
-            __m512 a = _mm512_mul_ps(_mm512_sub_ps(lo, z), s), b = _mm512_mul_ps(_mm512_sub_ps(hi, z), s);
-            /* back to k order: a0 b0 a1 b1 ... */
-            __m512 v0 = _mm512_permutex2var_ps(a, idx_lo, b), v1 = _mm512_permutex2var_ps(a, idx_hi, b);
-            _mm512_storeu_si512(out + n * K + k, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-        }
-    }
+    __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));  /* k even */
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));  /* k odd */
+    __m512 a = _mm512_mul_ps(_mm512_sub_ps(lo, z), s), b = _mm512_mul_ps(_mm512_sub_ps(hi, z), s);
+    /* back to k order: a0 b0 a1 b1 ... */
+    __m512 v0 = _mm512_permutex2var_ps(a, idx_lo, b), v1 = _mm512_permutex2var_ps(a, idx_hi, b);
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
 }
+
+#include "dequantize.h"
 
 /* ---- the small ops of a decode step -------------------------------------------------------- */
 static inline __m512 exp512(__m512 x) {  /* e^x, relative error ~1e-7; 0 below -87 */

@@ -80,7 +80,6 @@ static inline __attribute__((always_inline)) void int8_rows(const float *x, cons
     for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]);
 }
 
-#include "drivers.h"
 
 /* ---- int4 weights, bf16 activations --------------------------------------------------------- */
 /* xe/xo: the even and odd activations of one row (fp32, K/2 each); xsum: each group's sum of x.
@@ -115,38 +114,11 @@ static inline __attribute__((always_inline)) void int4_rows(
     for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]) - corr[r];
 }
 
-void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
-    long half = K / 2, gsize = K / G;
-    float *xe = malloc(sizeof(float) * M * K);  /* (M, 2, K/2): even then odd activations */
-    float *xsum = malloc(sizeof(float) * M * G);
-    for (long m = 0; m < M; m++) {
-        for (long i = 0; i < half; i++) {
-            xe[m * K + i] = bf16_to_f32(x[m * K + 2 * i]);
-            xe[m * K + half + i] = bf16_to_f32(x[m * K + 2 * i + 1]);
-        }
-        for (long g = 0; g < G; g++) {
-            float s = 0.f;
-            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
-            xsum[m * G + g] = s;
-        }
-    }
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        uint16_t room[ROWS * MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
-        for (long m = 0; m < M; m++) {
-            float out[ROWS];
-            const float *xm = xe + m * K, *sm = xsum + m * G;
-            if (nrows == ROWS) int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, ROWS, out);
-            else int4_rows(xm, xm + half, sm, w + n * half, sn, zeros + n * G, K, G, nrows, out);
-            for (int r = 0; r < nrows; r++) store(y, out_bf16, m * N + n + r, out[r] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-    free(xe);
-    free(xsum);
-}
+typedef float int4_act;  /* int4_rows takes its activations as fp32 */
+static inline float to_int4_act(uint16_t v) { return bf16_to_f32(v); }
+
+#include "drivers.h"
+
 
 /* ---- integer activations x int4 / int8 weights -------------------------------------------------
  * kernels.c's scheme and layouts (see there): per chunk of 128 inputs, 16 blocks of 8 inputs, each with its
@@ -154,7 +126,7 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *sc
  *   int4: chunk bytes 0..31 of the weights (even k from the low nibbles, odd k from the high) meet xq bytes
  *     0..31 (even) and 64..95 (odd): lanes 0..7 (inputs 0..63); bytes 32..63: lanes 8..15 (inputs 64..127);
  *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15.
- * A block's weights are unpacked once per chunk for XT activation rows, so many rows (a prefill) run here
+ * A block's weights are unpacked once per chunk for XTILE activation rows, so many rows (a prefill) run here
  * too, faster than a float32 matmul on the dequantized weights (native.vnni_max_rows). */
 
 /* int4's activations: x bf16 [M, K] -> xq int8 [M, K] ([64 even | 64 odd] per chunk), xs fp32 [M, K / CHUNK, 16]
@@ -199,19 +171,19 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
             }
 }
 
-#define XT 2  /* activation rows per pass over a block's weights: unpacked once, used XT times */
+#define XTILE 2  /* activation rows per pass over a block's weights: unpacked once, used XTILE times */
 
-/* one block of nrows weight rows against mrows (<= XT) activation rows (xq, xs, xsum: row 0's; row m's lie
+/* one block of nrows weight rows against mrows (<= XTILE) activation rows (xq, xs, xsum: row 0's; row m's lie
  * m xstride bytes, m C 16 and m G floats further); out[r][m]. small: groups of 32 or 64 (in_chunk of them per chunk), else whole
  * chunks (per_group per group). Each (r, m) sums in the same order as with one row at a time. */
 static inline __attribute__((always_inline)) void int_rows(
         const void *xq, long xstride, const float *xs, const float *xsum, long K, long G, const void *w,
         const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows,
-        float (*out)[XT]) {
+        float (*out)[XTILE]) {
     long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256 total[ROWS][XT];
-    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XT; m++) total[r][m] = _mm256_setzero_ps();
+    __m256 total[ROWS][XTILE];
+    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm256_setzero_ps();
     for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
         if (int4) {
@@ -247,7 +219,7 @@ static inline __attribute__((always_inline)) void int_rows(
                 const int8_t *wr = (const int8_t *)w + r * wbytes + c * CHUNK;
                 _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wr + AHEAD * wbytes + 64), _MM_HINT_T0);
-                __m256i p[XT][2];
+                __m256i p[XTILE][2];
                 for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
                     __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t)));
@@ -282,81 +254,38 @@ static inline __attribute__((always_inline)) void int_rows(
         }
 }
 
-/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] (int4k: uint8
- * codes under row_scales fp16 [N], block_fp16_scales; else row_scales NULL) */
-void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                     int threads) {
-    long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
-    int small = G > C;  /* groups of 32 or 64 (native.py checks) */
-    void *xq = malloc(xbytes * M * K);
-    float *xs = malloc(sizeof(float) * M * C * 16), *xsum = malloc(sizeof(float) * M * G);
-    if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else quantize_activations_int16(x, M, K, xq, xs);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += ROWS) {
-        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
-        uint16_t room[ROWS * MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, nrows, room);
-        const void *wn = (const uint8_t *)w + n * wbytes;
-        float sw[ROWS][MAX_GROUPS], sz[ROWS][MAX_GROUPS];
-        block_scales(sn, int4 ? zeros + n * G : NULL, G, nrows, sw, sz);
-        for (long m0 = 0; m0 < M; m0 += XT) {
-            int mrows = M - m0 < XT ? (int)(M - m0) : XT;
-            float out[ROWS][XT];
-            const void *xm = (const uint8_t *)xq + m0 * K * xbytes;
-            const float *xsm = xs + m0 * C * 16, *xsumm = xsum + m0 * G;
-            /* constant arguments for full blocks: the compiler specialises each */
-            #define INT_ROWS(MR) do { \
-                if (int4 && small) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 1, 1, ROWS, MR, out); \
-                else if (int4) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 1, 0, ROWS, MR, out); \
-                else if (small) int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 0, 1, ROWS, MR, out); \
-                else int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, 0, 0, ROWS, MR, out); } while (0)
-            if (nrows == ROWS && mrows == XT) INT_ROWS(XT);
-            else if (nrows == ROWS && mrows == 1) INT_ROWS(1);
-            else int_rows(xm, K * xbytes, xsm, xsumm, K, G, wn, sw, sz, int4, small, nrows, mrows, out);
-            #undef INT_ROWS
-            for (int r = 0; r < nrows; r++)
-                for (int m = 0; m < mrows; m++)
-                    store(y, out_bf16, (m0 + m) * N + n + r, out[r][m] + (bias ? bias[n + r] : 0.f));
-        }
-    }
-    free(xq);
-    free(xs);
-    free(xsum);
+/* the block of int_driver.h: int_rows with the row stride of x's integers and out as [ROWS][XTILE] */
+static inline __attribute__((always_inline)) void int_block(
+        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
+        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
+    (void)scales;  /* the AVX2 products take the fp32 tables alone */
+    int_rows(xq, K * (int4 ? 1 : 2), xs, xsum, K, G, w, sw, sz, int4, small, nrows, mrows, (float (*)[XTILE])out);
 }
+
+#include "int_driver.h"
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
-void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, uint16_t *out,
-                           int threads) {
-    long gsize = K / G;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++)
-        for (long k = 0; k < K; k += 8)
-            store_bf16(out + n * K + k, _mm256_mul_ps(load_int8(w + n * K + k), _mm256_set1_ps(_cvtsh_ss(scales[n * G + k / gsize]))));
+/* 16 int8 weights times one scale, as bf16 */
+static inline __attribute__((always_inline)) void dequantize_16_int8(const int8_t *w, float scale, uint16_t *out) {
+    store_bf16(out, _mm256_mul_ps(load_int8(w), _mm256_set1_ps(scale)));
+    store_bf16(out + 8, _mm256_mul_ps(load_int8(w + 8), _mm256_set1_ps(scale)));
 }
 
-void qlite_dequantize_int4(const uint8_t *w, const void *scales, const uint16_t *row_scales, const uint8_t *zeros,
-                           long G, long N, long K, uint16_t *out, int threads) {
-    long gsize = K / G;
+/* 32 int4 weights (16 bytes, even k in the low nibbles) of one group, (q - zero) scale, as bf16 in k order */
+static inline __attribute__((always_inline)) void dequantize_32_int4(const uint8_t *w, float scale, float zero, uint16_t *out) {
     const __m128i low = _mm_set1_epi8(0x0f);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++) {
-        uint16_t room[MAX_GROUPS];
-        const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, 1, room);
-        for (long k = 0; k < K; k += 32) {  /* 16 bytes = 32 weights, always inside one group */
-            long g = n * G + k / gsize;
-            __m256 s = _mm256_set1_ps(_cvtsh_ss(sn[k / gsize])), z = _mm256_set1_ps((float)zeros[g]);
-            __m128i b = _mm_loadu_si128((const __m128i *)(w + (n * K + k) / 2));
-            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-            __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  /* k order */
-            for (int i = 0; i < 4; i++) {
-                __m128i eight = i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2];
-                __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
-                store_bf16(out + n * K + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
-            }
-        }
+    __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+    __m128i b = _mm_loadu_si128((const __m128i *)w);
+    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  /* k order */
+    for (int i = 0; i < 4; i++) {
+        __m128i eight = i % 2 ? _mm_srli_si128(codes[i / 2], 8) : codes[i / 2];
+        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+        store_bf16(out + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
     }
 }
+
+#include "dequantize.h"
 /* ---- the small ops of a decode step (kernels.c's, 8 floats a vector) ---------------------------- */
 static inline __m256 exp256(__m256 x) {  /* e^x, relative error ~1e-7; 0 below -87, finite (not inf) above 88 */
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));

@@ -501,6 +501,17 @@ def test_a_mix_of_formats_exports_per_module(src, tmp_path):
     with pytest.raises(QliteError, match="a mix of formats .* a GPTQ config holds one"):
         export_checkpoint(q, "gptq", tmp_path / "gptq", progress=False)
     assert not (tmp_path / "gptq").exists()
+    back_config = import_checkpoint(tmp_path / "ct", tmp_path / "back", progress=False)  # the mix imports back
+    back = CheckpointDir(tmp_path / "back")
+    for m in [m for m, _ in mixed] + ["model.layers.0.mlp.up_proj", "lm_head"]:
+        fmt = back_config.format_for(m)
+        assert (fmt is None) == (qconfig.format_for(m) is None), m
+        if fmt is None:
+            assert torch.equal(back.read(f"{m}.weight"), stored.read(f"{m}.weight")), m
+        else:  # the same numbers (int4k's coded scales come back as the fp16 scales they stand for: int4-g32)
+            got = fmt.dequantize({s: back.read(f"{m}.{s}") for s in fmt.stored_shapes(1, 1)}, widths[f"{m}.weight"].shape[1])
+            assert torch.equal(got, dequantized(m)), m
+    assert back_config.format_for("model.layers.0.self_attn.o_proj").name == "int4-g32"
 
 
 def test_bad_exports(quantized, src, tmp_path):
