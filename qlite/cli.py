@@ -467,7 +467,7 @@ def import_gguf_cmd(gguf_file, out_dir, dtype, force):
               help="GPTQ checkpoint_format: v1 stores zero - 1, so a zero point of 0 needs v2; auto: v1 where it can")
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (or GGUF file) that holds no input")
 def export_cmd(model_dir, target, out, gptq_format, force):
-    """Write a qlite checkpoint for another engine, exactly where the formats agree (README: Checkpoints
+    """Write a qlite checkpoint for another engine, exactly where the formats agree (docs/interchange.md: Checkpoints
     that travel); what had to change is printed."""
     from quantize.interchange import export_checkpoint
 

@@ -37,7 +37,7 @@ VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_INPUT_ORDER, FORMAT_VERSION_MIXED)
 QUANT_METHOD = "qlite"
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("rtn", "act-rtn", "gptq", "bnb")
-# act-rtn / GPTQ: the share of H's mean diagonal added to its diagonal (README "Commands" for how it was chosen)
+# act-rtn / GPTQ: the share of H's mean diagonal added to its diagonal (docs/quantize.md, --method gptq, for how it was chosen)
 DAMP = 0.3
 EMBEDDINGS = "model.embed_tokens"
 DECODER_MODULE = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")  # a decoder layer's module; its kind

@@ -40,7 +40,7 @@ def test_demo_eval_meets_the_bars(demo_dir, demo_int8, demo_int4, tmp_path):
 
 
 # Code tasks on a fixed subset (every 4th built-in task: 18), greedy, int4-g128 RTN against the
-# baseline. Measured in the full run of README "Does it still write working code?": the baseline
+# baseline. Measured in the full run of docs/eval.md "Does it still write working code?": the baseline
 # passes 5 of these 18, int4 wins 0 and loses 2; the bar leaves 2 tasks of room for batching noise.
 MAX_NET_LOSSES = 4
 

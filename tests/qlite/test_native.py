@@ -334,7 +334,7 @@ def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, ki
         native.library.cache_clear()
     # measured: 0.78-0.98x the torch path's KLD; int4 with int8 activations 1.5x on this random tiny model,
     # 1.9x with the AVX2 kernels, whose 20-token prefill takes int8 activations too (on the demo model's
-    # decode +0.4-0.6%, its prefill with the AVX2 kernels +0.3-0.5%: README "Decoding kernels")
+    # decode +0.4-0.6%, its prefill with the AVX2 kernels +0.3-0.5%: docs/formats.md "Decoding kernels")
     bar = (2.25 if isa == "avx2" else 1.75) if RUNS_ON[kernel][kind] & {"vnni-int4"} else 1.25
     assert kld(ref, fast) <= bar * kld(ref, slow)
     assert (fast - slow).abs().max() < 0.05 * ref.abs().max()
@@ -361,7 +361,7 @@ def test_demo_greedy_answer_is_the_reference_paths(which, reference_dtype, reque
     """The reference's 64 greedy tokens (float32 for the 16-bit model, torch's aten kernels for the quantized
     ones, which keep bf16 activations), fed to the native path one by one: at each position the native
     kernels pick the same token, or one the reference scores within one bf16 step of its own pick (a tie
-    at the logits' precision). Measured (README "Native kernels"): AVX-512 picks all 64 alike on all
+    at the logits' precision). Measured (docs/formats.md "Native kernels"): AVX-512 picks all 64 alike on all
     three; AVX2 too on int8 and int4, and differs at token 19 of the 16-bit model (float32 gap 0.058)."""
     from qlite.tokenizer import Tokenizer
     model_dir = request.getfixturevalue(which)

@@ -21,7 +21,7 @@ def test_quantized_demo_writes_a_working_prime_function(which, request):
 
 def test_quantize_peak_memory_stays_under_1_5_gb(demo_dir, tmp_path):
     """Run in a fresh process so the figure is the converter's alone (VmHWM: includes mapped pages);
-    without the report's measurement, which loads the quantized model (README: its own peak)."""
+    without the report's measurement, which loads the quantized model (docs/quantize.md: its own peak)."""
     code = ("import sys; from quantize.convert import convert; "
             f"s = convert({str(demo_dir)!r}, {str(tmp_path / 'q')!r}, bits=4, group_size=128, progress=False, "
             "report=False); "
