@@ -138,7 +138,7 @@ def read_metadata(reader) -> tuple[dict, object, dict, dict]:
     pad = int(_field(reader, "tokenizer.ggml.padding_token_id", config["bos_token_id"]))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     tok_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": gguf_architecture(reader).tokenizer_class,
         "eos_token": tokens[eos], "pad_token": tokens[pad], "bos_token": None,
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "model_max_length": config["max_position_embeddings"],

@@ -27,7 +27,7 @@ PRESETS = {
     "fast": Preset("int4-g128 everywhere but an int8 lm_head and table, round to nearest: seconds",
                    fixed=dict(bits=4, group_size=128)),
     "q4": Preset("the least-KLD mix at Q4_0's rate (4.5 bits per weight) that decodes as fast as int4-g128, "
-                 "round to nearest, sensitivities from 2 short windows: about a minute on a 0.5B model",
+                 "round to nearest, sensitivities from 2 short windows: under 2 minutes on a 0.5B model",
                  rate=4.5, no_slower_than="int4-g128", sensitivity=dict(windows=2, samples=2)),
     "q4-gptq": Preset("the same budget and speed, the mix chosen from 8 windows and quantized with GPTQ "
                       "(32 calibration windows, act-order): minutes",

@@ -46,6 +46,7 @@ class Architecture:
     gguf_split: ClassVar[str] = QWEN_SPLIT  # the tokenizer's pre-split, for a GGUF's BPE vocabulary
     gguf_pre: ClassVar[str] = "qwen2"  # llama.cpp's name for that pre-tokenizer (tokenizer.ggml.pre)
     gguf_bos: ClassVar[int | None] = None  # bos token id when a GGUF gives none
+    tokenizer_class: ClassVar[str] = "PreTrainedTokenizerFast"  # tokenizer_config.json's, for an imported GGUF
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

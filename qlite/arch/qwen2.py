@@ -6,4 +6,4 @@ class Qwen2(Architecture):
     model_type, hf_class, gguf_arch = "qwen2", "Qwen2ForCausalLM", "qwen2"
     qkv_bias = True
     rope_theta = 1_000_000.0
-    gguf_bos = 151643
+    gguf_bos, tokenizer_class = 151643, "Qwen2Tokenizer"
