@@ -46,8 +46,12 @@ def test_missing_config(capsys, ckpt_copy):
 
 def test_wrong_model_type(capsys, ckpt_copy):
     cfg = json.loads((ckpt_copy / "config.json").read_text())
+    (ckpt_copy / "config.json").write_text(json.dumps(dict(cfg, model_type="mistral")))
+    assert_one_line_error(*run_cli(capsys, "info", ckpt_copy)[::2], "model_type is 'mistral'", "'qwen2'", "'llama'")
+    # a type qlite runs, but not the one the tensors are: Llama has no q/k/v bias
     (ckpt_copy / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
-    assert_one_line_error(*run_cli(capsys, "info", ckpt_copy)[::2], "model_type is 'llama'")
+    assert_one_line_error(*run_cli(capsys, "generate", "-m", ckpt_copy, "-p", "hi")[::2], "unexpected tensor",
+                          "_proj.bias")
 
 
 def test_truncated_safetensors(capsys, ckpt_copy):
@@ -75,13 +79,13 @@ def test_prompt_longer_than_context(capsys, tiny_ckpt):
 
 def test_gguf_of_another_architecture(capsys, tmp_path):
     from gguf import GGUFWriter
-    path = tmp_path / "llama.gguf"
-    w = GGUFWriter(str(path), "llama")
+    path = tmp_path / "gemma.gguf"
+    w = GGUFWriter(str(path), "gemma")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_one_line_error(*run_cli(capsys, "import-gguf", path, tmp_path / "out")[::2], "architecture is 'llama'")
+    assert_one_line_error(*run_cli(capsys, "import-gguf", path, tmp_path / "out")[::2], "architecture is 'gemma'")
     assert not (tmp_path / "out").exists()
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     assert_one_line_error(*run_cli(capsys, "import-gguf", tmp_path / "junk.gguf", tmp_path / "o2")[::2],

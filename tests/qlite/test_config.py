@@ -17,7 +17,7 @@ def test_reads_rope_theta_from_either_place_and_eos_list():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(model_type="llama"), "model_type is 'llama'"),
+    (dict(model_type="mistral"), "model_type is 'mistral'"),
     (dict(num_attention_heads=5), "not divisible by num_attention_heads"),
     (dict(num_key_value_heads=3), "not divisible by num_key_value_heads"),
     (dict(hidden_size=0), "hidden_size must be positive"),
