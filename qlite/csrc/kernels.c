@@ -34,49 +34,26 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
     _mm_prefetch((const char *)p + 2 * AHEAD * row_bytes, _MM_HINT_T0);
 }
 
-/* ---- bf16 weights ------------------------------------------------------------------------- */
-static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, const uint16_t *w, long K, int nrows, float *out) {
-    __m512 acc[ROWS][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (long k = 0; k < K; k += 64) {
-        __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k), x1 = (__m512bh)_mm512_loadu_si512(x + k + 32);
-        for (int r = 0; r < nrows; r++) {
-            const uint16_t *wr = w + r * K + k;
-            _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wr + AHEAD * K + 32), _MM_HINT_T0);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(wr), x0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(wr + 32), x1);
-        }
-    }
-    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
-
-/* ---- int8 weights ------------------------------------------------------------------------- */
-static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
-    long gsize = K / G;
-    __m512 total[ROWS];
-    for (int r = 0; r < ROWS; r++) total[r] = _mm512_setzero_ps();
-    for (long g = 0; g < G; g++) {
-        __m512 acc[ROWS][2];
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (long k = g * gsize; k < (g + 1) * gsize; k += 32) {
-            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-            for (int r = 0; r < nrows; r++) {
-                const int8_t *wr = w + r * K + k;
-                prefetch_ahead(wr, K);
-                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
-                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
-                acc[r][0] = _mm512_fmadd_ps(w0, x0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(w1, x1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < nrows; r++) {
-            float s = _cvtsh_ss(scales[r * G + g]);
-            total[r] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
-        }
-    }
-    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
-}
+/* ---- bf16 and int8 weights (rows.h), then int4 ------------------------------------------------ */
+/* the vector vocabulary of rows.h's bf16 and int8 bodies: 16 fp32 lanes; bf16 pairs through vdpbf16ps */
+typedef __m512 vec;
+typedef __m512bh bvec;
+#define VW 16  /* fp32 lanes */
+#define BW 32  /* bf16 values a bvec holds */
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vset1(x) _mm512_set1_ps(x)
+#define vsum(v) _mm512_reduce_add_ps(v)
+#define vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define bload(p) ((__m512bh)_mm512_loadu_si512(p))
+#define bdot(acc, w, x) _mm512_dpbf16_ps(acc, bload(w), x)
+#define BF16_PREFETCH(wr, K) do { _mm_prefetch((const char *)((wr) + AHEAD * (K)), _MM_HINT_T0); \
+                                  _mm_prefetch((const char *)((wr) + AHEAD * (K) + 32), _MM_HINT_T0); } while (0)
+#define INT8_PREFETCH(wr, K) prefetch_ahead(wr, K)
+#include "rows.h"
 
 
 /* ---- int4 weights ------------------------------------------------------------------------- */
@@ -312,16 +289,7 @@ static inline __attribute__((always_inline)) void dequantize_32_int4(const uint8
 static inline __m512 exp512(__m512 x) {  /* e^x, relative error ~1e-7; 0 below -87 */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);  /* r = x - n ln2, in two parts */
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(exp_reduced(x, n), n);
 }
 
 static inline __m512 load_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
@@ -332,30 +300,12 @@ static inline __m512 round_bf16(__m512 v) {  /* v rounded to bf16, as fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-/* rows of x (bf16, n wide, n % 16 == 0) -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w), as torch computes it */
-void qlite_rmsnorm(const uint16_t *x, long rows, long n, const uint16_t *w, float eps, uint16_t *out) {
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * n;
-        __m512 ss = _mm512_setzero_ps();
-        for (long i = 0; i < n; i += 16) { __m512 v = load_bf16(xr + i); ss = _mm512_fmadd_ps(v, v, ss); }
-        __m512 inv = _mm512_set1_ps(1.f / __builtin_sqrtf(_mm512_reduce_add_ps(ss) / n + eps));
-        for (long i = 0; i < n; i += 16) {
-            __m512 v = _mm512_mul_ps(round_bf16(_mm512_mul_ps(load_bf16(xr + i), inv)), load_bf16(w + i));
-            _mm256_storeu_si256((__m256i *)(out + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
-        }
-    }
-}
-
-/* rows of [gate | up] (bf16, 2n wide) -> bf16(bf16(silu(gate)) * up), n % 16 == 0 */
-void qlite_silu_mul(const uint16_t *gate_up, long rows, long n, uint16_t *out) {
-    for (long r = 0; r < rows; r++)
-        for (long i = 0; i < n; i += 16) {
-            __m512 g = load_bf16(gate_up + r * 2 * n + i), u = load_bf16(gate_up + r * 2 * n + n + i);
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            __m512 v = _mm512_mul_ps(round_bf16(silu), u);
-            _mm256_storeu_si256((__m256i *)(out + r * n + i), (__m256i)_mm512_cvtneps_pbh(v));
-        }
-}
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vexp(x) exp512(x)
+#define vstore_bf16(p, v) _mm256_storeu_si256((__m256i *)(p), (__m256i)_mm512_cvtneps_pbh(v))
+#include "norms.h"
 
 /* the helpers of attention.h */
 static inline float dot_bf16(const float *q, const uint16_t *k, long n) {

@@ -41,44 +41,25 @@ static inline void store_bf16(uint16_t *p, __m256 v) {  /* 8 fp32 -> bf16, round
 
 static inline __m256 load_int8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 
-/* ---- bf16 weights ------------------------------------------------------------------------- */
-static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *x, const uint16_t *w, long K, int nrows, float *out) {
-    __m256 acc[ROWS][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += 16) {
-        __m256 x0 = load_bf16(x + k), x1 = load_bf16(x + k + 8);
-        for (int r = 0; r < nrows; r++) {
-            const uint16_t *wr = w + r * K + k;
-            _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
-            acc[r][0] = _mm256_fmadd_ps(load_bf16(wr), x0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(load_bf16(wr + 8), x1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < nrows; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-
-/* ---- int8 weights, bf16 activations --------------------------------------------------------- */
-static inline __attribute__((always_inline)) void int8_rows(const float *x, const int8_t *w, const uint16_t *scales, long K, long G, int nrows, float *out) {
-    long gsize = K / G;
-    __m256 total[ROWS];
-    for (int r = 0; r < ROWS; r++) total[r] = _mm256_setzero_ps();
-    for (long g = 0; g < G; g++) {
-        __m256 acc[ROWS][2];
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (long k = g * gsize; k < (g + 1) * gsize; k += 16) {
-            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-            for (int r = 0; r < nrows; r++) {
-                const int8_t *wr = w + r * K + k;
-                _mm_prefetch((const char *)(wr + AHEAD * K), _MM_HINT_T0);
-                acc[r][0] = _mm256_fmadd_ps(load_int8(wr), x0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(load_int8(wr + 8), x1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < nrows; r++)
-            total[r] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(scales[r * G + g])), _mm256_add_ps(acc[r][0], acc[r][1]), total[r]);
-    }
-    for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]);
-}
+/* ---- bf16 and int8 weights (rows.h), then int4 ------------------------------------------------ */
+/* the vector vocabulary of rows.h's bf16 and int8 bodies: 8 fp32 lanes; bf16 widened to fp32, then fma */
+typedef __m256 vec;
+typedef __m256 bvec;
+#define VW 8
+#define BW 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vfnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vset1(x) _mm256_set1_ps(x)
+#define vsum(v) hsum(v)
+#define vload_i8(p) load_int8(p)
+#define bload(p) load_bf16(p)
+#define bdot(acc, w, x) _mm256_fmadd_ps(load_bf16(w), x, acc)
+#define BF16_PREFETCH(wr, K) _mm_prefetch((const char *)((wr) + AHEAD * (K)), _MM_HINT_T0)
+#define INT8_PREFETCH(wr, K) _mm_prefetch((const char *)((wr) + AHEAD * (K)), _MM_HINT_T0)
+#include "rows.h"
 
 
 /* ---- int4 weights, bf16 activations --------------------------------------------------------- */
@@ -290,15 +271,7 @@ static inline __attribute__((always_inline)) void dequantize_32_int4(const uint8
 static inline __m256 exp256(__m256 x) {  /* e^x, relative error ~1e-7; 0 below -87, finite (not inf) above 88 */
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);  /* r = x - n ln2, in two parts */
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256 p = exp_reduced(x, n);
     __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  /* n in -126..127 */
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
@@ -310,27 +283,12 @@ static inline __m256 round_bf16(__m256 v) {  /* v rounded to bf16 (nearest even)
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000)));
 }
 
-/* rows of x (bf16, n wide, n % 16 == 0) -> bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w), as torch computes it */
-void qlite_rmsnorm(const uint16_t *x, long rows, long n, const uint16_t *w, float eps, uint16_t *out) {
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * n;
-        __m256 ss = _mm256_setzero_ps();
-        for (long i = 0; i < n; i += 8) { __m256 v = load_bf16(xr + i); ss = _mm256_fmadd_ps(v, v, ss); }
-        __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(ss) / n + eps));
-        for (long i = 0; i < n; i += 8)
-            store_bf16(out + r * n + i, _mm256_mul_ps(round_bf16(_mm256_mul_ps(load_bf16(xr + i), inv)), load_bf16(w + i)));
-    }
-}
-
-/* rows of [gate | up] (bf16, 2n wide) -> bf16(bf16(silu(gate)) * up), n % 16 == 0 */
-void qlite_silu_mul(const uint16_t *gate_up, long rows, long n, uint16_t *out) {
-    for (long r = 0; r < rows; r++)
-        for (long i = 0; i < n; i += 8) {
-            __m256 g = load_bf16(gate_up + r * 2 * n + i), u = load_bf16(gate_up + r * 2 * n + n + i);
-            __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            store_bf16(out + r * n + i, _mm256_mul_ps(round_bf16(silu), u));
-        }
-}
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vexp(x) exp256(x)
+#define vstore_bf16(p, v) store_bf16(p, v)
+#include "norms.h"
 
 /* the helpers of attention.h */
 static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
