@@ -80,7 +80,7 @@ class Qwen2Config:
             attention_bias=arch.attention_bias(d, source),
             output_bias=arch.qkv_bias is None and arch.attention_bias(d, source),
             explicit_head_dim=field_of(d, "head_dim", int, source, None),
-            rope_scaling=arch.rope_scaling(scaling, source) if scaling else None,
+            rope_scaling=arch.rope_scaling(scaling, d, source) if scaling else None,
         )
         cfg.validate(source)
         if d.get("quantization_config") is not None:

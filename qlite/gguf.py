@@ -94,6 +94,12 @@ def read_config(reader) -> dict:
             cfg["head_dim"] = int(head_dim)
         if arch.qkv_bias is None:
             cfg["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        kind = _field(reader, f"{p}.rope.scaling.type")
+        if kind not in (None, "none"):  # llama.cpp's rope scaling keys, as its converter writes them
+            cfg["rope_scaling"] = {"rope_type": kind, "factor": float(_field(reader, f"{p}.rope.scaling.factor"))}
+            original = _field(reader, f"{p}.rope.scaling.original_context_length")
+            if original is not None:
+                cfg["rope_scaling"]["original_max_position_embeddings"] = int(original)
         if any(t.name == "rope_freqs.weight" for t in reader.tensors):
             raise QliteError("the GGUF holds rope_freqs (scaled rotary frequencies, as llama.cpp writes Llama 3.1's): "
                              "not imported yet")

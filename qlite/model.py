@@ -132,12 +132,15 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        self.register_buffer("inv_freq", cfg.arch.inv_freq(cfg), persistent=False)
+        inv_freq, self.attention_factor = cfg.arch.rope(cfg)  # the factor on cos and sin (YaRN's; else 1)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, head_dim)
-        return angles.cos(), angles.sin()
+        if self.attention_factor == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

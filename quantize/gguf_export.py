@@ -56,7 +56,7 @@ def in_gguf_order(name: str, rows: torch.Tensor, cfg) -> torch.Tensor:
 
 
 def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> list[str]:
-    from gguf import GGMLQuantizationType, GGUFWriter, SpecialVocab
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, SpecialVocab
 
     check_output_file(out, force, b"GGUF", inputs=(src.path,))
     cfg, qcfg = src.config, src.config.quantization
@@ -113,6 +113,14 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             writer.add_key_length(cfg.head_dim)
             writer.add_value_length(cfg.head_dim)
         writer.add_rope_freq_base(cfg.rope_theta)
+        scaling = dict(cfg.rope_scaling or ())
+        if scaling.get("rope_type") in ("linear", "yarn"):  # llama.cpp's keys; Llama 3.1's it holds as rope_freqs
+            writer.add_rope_scaling_type(RopeScalingType(scaling["rope_type"]))
+            writer.add_rope_scaling_factor(scaling["factor"])
+            if "original_max_position_embeddings" in scaling:
+                writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        elif scaling:
+            raise QliteError(f"{src.path}: rope scaling {scaling['rope_type']}: not written to GGUF yet")
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         writer.add_file_type(FILE_TYPES[main_kind])
         writer.add_quantization_version(2)

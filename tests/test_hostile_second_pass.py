@@ -289,15 +289,16 @@ def test_an_oversized_side_file_is_refused_without_reading_it_all(capsys, ckpt, 
 # 6. silently wrong: features, stored values, coercion
 
 @pytest.mark.parametrize("field, value", [
-    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
+    ("rope_scaling", {"type": "dynamic", "factor": 4.0}),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
+    ("rope_scaling", {"type": "yarn", "factor": -4.0}),
     ("use_sliding_window", True),
 ])
 def test_unimplemented_config_features_are_refused_by_name(capsys, ckpt, tmp_path, field, value):
     edit_json(ckpt / "config.json", **{field: value})
     fails_cleanly(capsys, tmp_path, ["generate", "-m", ckpt, "-p", "hi"], "config.json", field.split("_")[0],
-                  "does not implement" if field != "rope_parameters" else "no rope scaling")
+                  "needs a positive factor" if isinstance(value, dict) and value.get("factor", 0) < 0 else "does not implement")
 
 
 @pytest.mark.parametrize("field, value, needle", [

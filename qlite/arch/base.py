@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import QliteError
+from . import rope
 
 ARCHITECTURES: dict[str, "Architecture"] = {}
 
@@ -56,18 +57,17 @@ class Architecture:
         from ..fields import field_of
         return self.qkv_bias if self.qkv_bias is not None else field_of(d, "attention_bias", bool, source, False)
 
-    def rope_scaling(self, scaling: dict, source: str) -> tuple | None:
-        """The config's rope scaling ({"rope_type": ..., ...} without rope_theta), checked, as a tuple of
-        items (None: none). This type scales no rope: anything but the default is refused."""
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in (None, "default"):
-            raise QliteError(f"{source}: rope_scaling / rope_parameters type {kind!r}: qlite does not implement it for "
-                             f"{self.model_type} (no rope scaling yet; remove it to run at the original context)")
-        return None
+    rope_scalings: ClassVar[tuple[str, ...]] = ()  # the rope scalings it accepts (rope.py), others refused
 
-    def inv_freq(self, cfg) -> torch.Tensor:
-        """The rotary inverse frequencies (head_dim / 2,), float32."""
-        return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").float() / cfg.head_dim)
+    def rope_scaling(self, scaling: dict, d: dict, source: str) -> tuple | None:
+        """The config's rope scaling ({"rope_type": ..., ...} without rope_theta; d: the whole config),
+        checked, as a tuple of items (None: none)."""
+        return rope.checked(scaling, self.rope_scalings, d, self.model_type, source)
+
+    def rope(self, cfg) -> tuple[torch.Tensor, float]:
+        """The rotary inverse frequencies (head_dim / 2,), float32, and the factor on cos and sin."""
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").float() / cfg.head_dim)
+        return rope.scaled(inv_freq, cfg.rope_scaling, cfg.head_dim, cfg.rope_theta)
 
     def gguf_rows(self, name: str, rows: int, n_head: int, n_kv: int) -> torch.Tensor | None:
         """Where llama.cpp's converter reorders a tensor's rows (HF name): GGUF row i is HF row order[i];
