@@ -316,8 +316,8 @@ def quantize(ctx, src, out, preset, bits, group_size, symmetric, skip, scheme, l
     chosen flag by flag."""
     skips = tuple(s.strip() for s in skip.split(",") if s.strip())
     writing = dict(force=force, max_shard_bytes=parse_size(max_shard_size, "--max-shard-size"), report=not no_report)
-    recipe_flags = [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in RECIPE_FLAGS
-                    if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    recipe_flags = given_flags(ctx, FORMAT_FLAGS + ("method",) + CALIBRATION_FLAGS + ("target_bpw", "no_slower_than",
+                                                                                      "target_kld"))
     if preset is not None or not recipe_flags:
         if recipe_flags:
             raise QliteError(f"--preset {preset} chooses the formats and method; drop {', '.join(recipe_flags)}")
@@ -352,20 +352,23 @@ def quantize(ctx, src, out, preset, bits, group_size, symmetric, skip, scheme, l
     click.echo(str(summary))
 
 
-RECIPE_FLAGS = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits", "method", "calib_data",
-                "nsamples", "seqlen", "act_order", "damp", "target_bpw", "no_slower_than", "target_kld")
+FORMAT_FLAGS = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits")
+CALIBRATION_FLAGS = ("calib_data", "nsamples", "seqlen", "act_order", "damp")
+
+
+def given_flags(ctx, names) -> list[str]:
+    """The quantize flags among `names` (parameter names) given on the command line, as spelled there."""
+    return [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in names
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
 
 
 def flags_beside_target(ctx, by_kld: bool, calibrated: bool, no_report: bool) -> list[str]:
     """The flags given with --target-bpw / --target-kld that they cannot take: those that choose
     formats; for --target-bpw, --target-kld and the calibration flags without a calibrated --method;
     for --target-kld, a calibrated method and --no-report (the report's measurement is what it aims at)."""
-    calibration_flags = ("calib_data", "nsamples", "seqlen", "act_order", "damp")
-    names = ("bits", "group_size", "symmetric", "scheme", "lm_head_bits", "embed_bits") + (
-        ("method",) + calibration_flags if by_kld else ("target_kld",) + (() if calibrated else calibration_flags))
-    given = [f"--{name.replace('_', '-')}".replace("--scheme", "--format") for name in names
-             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-    return given + (["--no-report"] if by_kld and no_report else [])
+    names = FORMAT_FLAGS + (("method",) + CALIBRATION_FLAGS if by_kld
+                            else ("target_kld",) + (() if calibrated else CALIBRATION_FLAGS))
+    return given_flags(ctx, names) + (["--no-report"] if by_kld and no_report else [])
 
 
 def parse_size(text: str, flag: str) -> int:

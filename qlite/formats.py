@@ -158,6 +158,11 @@ class Format:
         raise QliteError(f"format {self.name}: no exact encoding in other engines' formats; only qlite's int4 "
                          f"and int8 formats export")
 
+    def affine_zeros(self, read) -> torch.Tensor:
+        """to_affine's zero points zu alone, from `read(suffix)` of the stored tensors it needs (an export
+        chooses a block type or version by them without unpacking the codes)."""
+        raise QliteError(f"format {self.name}: no exact encoding in other engines' formats")
+
     def from_affine(self, u: torch.Tensor, scales: torch.Tensor, zu: torch.Tensor, where: str
                     ) -> dict[str, torch.Tensor]:
         """Its stored tensors for codes u [N, K], scales and zero points zu [N, groups] (to_affine's inverse)."""
@@ -374,9 +379,11 @@ class Int8(IntFormat, scheme="int", bits=8):
     affine_symmetric = True  # u = q + 128, zu = 128
 
     def to_affine(self, stored, in_features):
-        scales = stored["scales"]
         u = (stored["qweight"].to(torch.int16) + INT8_OFFSET).to(torch.uint8)
-        return u, scales, torch.full(scales.shape, INT8_OFFSET, dtype=torch.uint8)
+        return u, stored["scales"], self.affine_zeros(stored.__getitem__)
+
+    def affine_zeros(self, read):
+        return torch.full(read("scales").shape, INT8_OFFSET, dtype=torch.uint8)
 
     def from_affine(self, u, scales, zu, where):
         if (zu != INT8_OFFSET).any():
@@ -458,7 +465,10 @@ class Int4(IntFormat, scheme="int", bits=4):
         return self.symmetric
 
     def to_affine(self, stored, in_features):  # int4k's coded scales as the fp16 numbers they stand for (exactly)
-        return unpack_int4(stored["qweight"], in_features), self.group_scales(stored).half(), stored["zeros"]
+        return unpack_int4(stored["qweight"], in_features), self.group_scales(stored).half(), self.affine_zeros(stored.__getitem__)
+
+    def affine_zeros(self, read):
+        return read("zeros")
 
     def from_affine(self, u, scales, zu, where):
         return {"qweight": pack_int4(u), "scales": scales, "zeros": zu}

@@ -269,10 +269,9 @@ def read_module(src, module: str, fmt: Format, qcfg
     return stored, order
 
 
-def affine_of(src, module: str, fmt: Format, qcfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A stored module's (u, scales, zu), its values checked (read_module)."""
-    stored, _ = read_module(src, module, fmt, qcfg)
-    return fmt.to_affine(stored, stored_in_features(src, module, fmt))
+def affine_zeros(src, module: str, fmt: Format) -> torch.Tensor:
+    """A stored module's zero points as other engines store them (Format.affine_zeros), read alone."""
+    return fmt.affine_zeros(lambda suffix: src.read(f"{module}.{suffix}"))
 
 
 def stored_in_features(src, module: str, fmt: Format) -> int:

@@ -76,7 +76,7 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
                 raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
             n = info.shape[0]
             k = foreign.stored_in_features(src, module, fmt)
-            kind = foreign.gguf_type(fmt.bits, foreign.affine_of(src, module, fmt, qcfg)[2], module)
+            kind = foreign.gguf_type(fmt.bits, foreign.affine_zeros(src, module, fmt), module)
             if module != "lm_head":
                 kinds.add(kind)  # the file type names the decoder's
             row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]

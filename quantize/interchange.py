@@ -208,7 +208,7 @@ def export_gptq(src, out, cfg, qcfg, layers, gptq_format, force, progress) -> li
         raise QliteError(f"{src.path}: 16-bit layers by name ({', '.join(qcfg.skip)}); GPTQ names them per block only: "
                          f"export --to compressed-tensors")
     decoder = [m for m in layers if m != "lm_head"]
-    zero_free = all(not (foreign.affine_of(src, m, fmt, qcfg)[2] == 0).any() for m in decoder)
+    zero_free = all(not (foreign.affine_zeros(src, m, fmt) == 0).any() for m in decoder)
     if gptq_format == "v1" and not zero_free:
         raise QliteError(f"--gptq-format v1: {src.path} has groups with zero point 0, which GPTQ v1 cannot store "
                          f"(it stores zero - 1); use --gptq-format v2 (or auto)")
