@@ -49,7 +49,8 @@ def run_qlite(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     before = _mem()
     t = time.perf_counter()
-    lm = load(spec["path"], dtype=spec.get("dtype", "auto"), kernel=spec.get("kernel", "auto"))
+    lm = load(spec["path"], dtype=spec.get("dtype", "auto"), kernel=spec.get("kernel", "auto"),
+              kv_cache=spec.get("kv_cache", "bf16"))
     load_s = time.perf_counter() - t
     prompt = _prompt_ids(lm.tokenizer.encode, spec["prompt_tokens"])
     runs = []
@@ -129,6 +130,12 @@ def kernel_variants(model_dirs: list[Path], kernels: str, common: dict) -> list[
     """Each qlite dir again with each named --kernel backend ("native-a16,aten")."""
     return [(f"{d.name} {kernel}", {"engine": "qlite", "path": str(d), "kernel": kernel, **common})
             for kernel in filter(None, kernels.split(",")) for d in model_dirs]
+
+
+def kv_cache_variants(model_dirs: list[Path], kinds: str, common: dict) -> list[tuple[str, dict]]:
+    """Each qlite dir again with each named --kv-cache kind ("int8,int4")."""
+    return [(f"{d.name} kv {kind}", {"engine": "qlite", "path": str(d), "kv_cache": kind, **common})
+            for kind in filter(None, kinds.split(",")) for d in model_dirs]
 
 
 def avx2_variants(jobs: list[tuple[str, dict]], llama_lib: Path) -> list[tuple[str, dict]]:
@@ -265,6 +272,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--transformers", "hf", default="", help="also run transformers on the first dir: fp32,bf16")
 @click.option("--fp32", is_flag=True, help="also run qlite on the first dir in float32")
 @click.option("--kernels", default="", help="also run each dir with these --kernel backends: native-a16,aten")
+@click.option("--kv-caches", default="", help="also run each dir with these --kv-cache kinds: int8,int4")
 @click.option("--torch-kernels", is_flag=True, help="also run each dir with QLITE_NATIVE=0 (torch's own kernels)")
 @click.option("--avx2", "avx2_lib", type=click.Path(path_type=Path, file_okay=False),
               help="also run every qlite and llama.cpp model as on an AVX2 CPU: qlite with its AVX2 kernels and "
@@ -284,7 +292,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, kernels, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
+def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
          threads, md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
@@ -296,6 +304,7 @@ def main(model_dirs, hf, fp32, kernels, torch_kernels, avx2_lib, gguf, llama_cpp
         jobs.insert(1, (f"{model_dirs[0].name} fp32", {"engine": "qlite", "path": str(model_dirs[0]),
                                                         "dtype": "float32", **common}))
     jobs += kernel_variants(model_dirs, kernels, common)
+    jobs += kv_cache_variants(model_dirs, kv_caches, common)
     if torch_kernels:
         jobs += [(f"{d.name} torch-kernels",
                   {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common}) for d in model_dirs]

@@ -9,11 +9,13 @@ against the fused step (qlite/fused.py, one native call for all layers), alterna
 (built as qlite builds its own, with this checkout's headers) against the current ones, call by call
 on the same weights, streamed from memory (copies of each weight, 300 MB in all), one activation row:
 how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
+--attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
-    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--sampling | --steps DIR | --against FILE]
+    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
+                                [--attention KEYS | --sampling | --steps DIR | --against FILE]
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ SHAPES = [  # (name, format, N, K): the demo model's (Qwen2.5-0.5B) decoder line
     ("gate_up int8-g32", Int8(32), 9728, 896),
     ("down int8-g32", Int8(32), 896, 4864),
     ("lm_head int8", Int8(None), 151936, 896),
+]
+SHAPES_7B = [  # Qwen2.5-7B's decoder linears (q|k|v and gate|up fused, as qlite runs them), int4-g128 and int8
+    ("qkv int4-g128", Int4(128), 4608, 3584),
+    ("o int4-g128", Int4(128), 3584, 3584),
+    ("gate_up int4-g128", Int4(128), 37888, 3584),
+    ("down int4-g128", Int4(128), 3584, 18944),
+    ("gate_up int8", Int8(None), 37888, 3584),
+    ("down int8", Int8(None), 3584, 18944),
 ]
 
 
@@ -90,6 +100,26 @@ SAMPLING = {  # the settings of Qwen2.5-*-Instruct's generation_config, and a co
 def whole_vocabulary_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = filter_top_p(filter_top_k(logits / params.temperature, params.top_k), params.top_p)
     return torch.multinomial(filter_min_p(logits, params.min_p).softmax(-1), 1)[:, 0]
+
+
+def time_attention(context: int, calls: int) -> None:
+    """One decode step's attention for one layer of the demo model's shape (14 query heads over 2 kv
+    heads of 64) at `context` keys, with a bf16, an int8 and an int4 cache, interleaved call by call."""
+    from qlite import kv_quant
+
+    n_head, n_kv, hd = 14, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, (n_head + 2 * n_kv) * hd, generator=gen).bfloat16()
+    values = torch.randn(1, n_kv, context + 1, hd, generator=gen).bfloat16()
+    caches = {"bf16": (16, values, values.clone())}
+    caches.update({f"int{b}": (b, kv_quant.encode(values, b), kv_quant.encode(values, b)) for b in (8, 4)})
+    cos, sin = torch.ones(1, hd), torch.zeros(1, hd)
+    times = interleaved({name: lambda b=b, k=k, v=v: native.decode_attention(qkv, cos, sin, k, v, n_head, context, None, b)
+                         for name, (b, k, v) in caches.items()}, calls)
+    print(f"| KV cache | attention ms, 1 layer, {context} keys |")
+    print("|---|---|")
+    for name in caches:
+        print(f"| {name} | {cell(times[name])} |")
 
 
 def time_sampling(calls: int) -> None:
@@ -206,14 +236,20 @@ def time_against(source: Path, calls: int) -> None:
 @click.option("--rows", default="1,8,16", show_default=True, help="activation rows (sequences in a step)")
 @click.option("--calls", type=int, default=30, show_default=True, help="timed calls of each, interleaved")
 @click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--shapes", type=click.Choice(["0.5b", "7b"]), default="0.5b", show_default=True,
+              help="the products' weight shapes: the demo model's, or Qwen2.5-7B's (prefill rows: --rows 128,512)")
+@click.option("--attention", "attention_context", type=int,
+              help="time one layer's decode attention at this many keys instead, bf16 / int8 / int4 KV cache")
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
 @click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="time the products of this version of the kernel file against the current ones instead (its "
               "headers come from its own directory first, then qlite's csrc: copy old headers beside it)")
-def main(rows, calls, threads, sampling, steps_dir, against):
+def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, against):
     torch.set_num_threads(threads)
+    if attention_context:
+        return time_attention(attention_context, calls)
     if sampling:
         return time_sampling(calls)
     if steps_dir:
@@ -224,7 +260,7 @@ def main(rows, calls, threads, sampling, steps_dir, against):
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
     print("|---|---|---|---|---|---|")
-    for name, fmt, N, K in SHAPES:
+    for name, fmt, N, K in (SHAPES if shapes == "0.5b" else SHAPES_7B):
         stored = fmt.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
         funcs = contenders(stored, fmt)
         for M in (int(r) for r in rows.split(",")):

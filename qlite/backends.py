@@ -45,14 +45,16 @@ class NativeOps(TorchOps):
 
     @staticmethod
     def attention(qkv, step: Step, attn):
-        """One new token per row with a bf16 cache (plain, or left-padded rows): rotary, cache write and
-        attention in one call."""
+        """One new token per row, bf16, with a bf16 or quantized cache (plain, or left-padded rows):
+        rotary, cache write and attention in one call."""
         B, T, _ = qkv.shape
-        if T == 1 and step.cache is not None and (step.mask is None or step.key_starts is not None) \
-                and native.bf16_ready(step.cache.k):
-            k, v = step.cache.k[attn.layer_idx], step.cache.v[attn.layer_idx]  # (B, n_kv, capacity, head_dim)
+        cache = step.cache
+        if T == 1 and cache is not None and (step.mask is None or step.key_starts is not None) \
+                and native.bf16_ready(qkv) and attn.head_dim % 32 == 0 and native.cache_ready(cache.k, cache.kv_bits):
+            k, v = cache.k[attn.layer_idx], cache.v[attn.layer_idx]  # (B, n_kv, capacity, record)
             y = native.decode_attention(qkv.view(B, -1), step.cos.reshape(B, -1), step.sin.reshape(B, -1), k, v,
-                                        attn.n_head, step.start, step.key_starts)
+                                        attn.n_head, step.start, step.key_starts, cache.kv_bits,
+                                        None if cache.k_offset is None else cache.k_offset[attn.layer_idx])
             return y.view(B, T, -1)
         return TorchOps.attention(qkv, step, attn)
 

@@ -68,6 +68,17 @@ def _preset_names():
 KERNEL_CHOICES = Registered(_kernel_names)
 
 
+def _kv_kinds():
+    from .kv_quant import KINDS
+    return list(KINDS)
+
+
+kv_cache_option = click.option(
+    "--kv-cache", type=Registered(_kv_kinds), default="bf16", show_default=True,
+    help="KV cache: bf16 (the model's 16-bit dtype), int8 or int4 (per token and head, groups of 32 values "
+         "with an fp16 scale: 8.5 or 4.5 bits a value)")
+
+
 class Number(click.ParamType):
     """A finite int or float within bounds, checked when the flags are parsed (NaN is refused:
     click's FloatRange lets it through)."""
@@ -161,9 +172,10 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True,
               help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
+@kv_cache_option
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-             max_new_tokens, stop, dtype, device, kernel, threads, stats):
+             max_new_tokens, stop, dtype, device, kernel, threads, kv_cache, stats):
     """Generate text from a prompt, streamed to stdout."""
     from .pipeline import load
 
@@ -171,9 +183,11 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
         raise QliteError("--stop: an empty stop string would stop before the first token")
     text = read_prompt(prompt)
     t0 = time.perf_counter()
-    lm = load(model_dir, dtype=dtype, device=device, kernel=kernel, threads=threads)
+    lm = load(model_dir, dtype=dtype, device=device, kernel=kernel, threads=threads, kv_cache=kv_cache)
     load_s = time.perf_counter() - t0
     ids = lm.prompt_ids(text, chat=False if raw else None, system=system)
+    from .fit import check_fits
+    check_fits(model_dir, lm.model, min(len(ids) + max_new_tokens, lm.model.config.context_length), "--max-new-tokens")
     params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
@@ -198,15 +212,21 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True)
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
+@kv_cache_option
 def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, ctx, dtype,
-         kernel, threads):
+         kernel, threads, kv_cache):
     """Chat in the terminal: replies stream as they are generated, the history stays in the context
     (oldest turns dropped, with a notice, when it fills); /reset clears it, /exit leaves."""
     from .chat import Conversation, run_chat
     from .pipeline import load
 
-    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads)
-    context = min(ctx or lm.model.config.max_position_embeddings, lm.model.config.max_position_embeddings)
+    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads, kv_cache=kv_cache)
+    from .fit import check_fits, fitting_context
+    if ctx:
+        context = min(ctx, lm.model.config.context_length)
+        check_fits(model_dir, lm.model, context, "--ctx")
+    else:  # the model's context, or as much of it as fits here
+        context = fitting_context(model_dir, lm.model)
     params = lm.params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens)
     interactive = sys.stdin.isatty()
@@ -240,25 +260,33 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
               show_default=True, help="seconds a connection may send nothing (before or during a request)")
 @click.option("--max-connections", type=at_least(1), default=256, show_default=True,
               help="connections open at once; more are closed as they arrive")
+@kv_cache_option
 def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel, max_body_bytes, timeout_s,
-          max_connections):
+          max_connections, kv_cache):
     """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
     concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
     from .server import Limits, serve as run
 
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
-        dtype=dtype, kernel=kernel, log=lambda m: click.echo(m, err=True),
+        dtype=dtype, kernel=kernel, kv_cache=kv_cache, log=lambda m: click.echo(m, err=True),
         limits=Limits(max_body_bytes, timeout_s, max_connections))
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
 
 
 @cli.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-def info(model_dir):
-    """Architecture, size, and tensors by dtype of a checkpoint dir."""
-    from .info import describe
+@click.option("--ctx", type=at_least(1), help="also print the memory a run of this many tokens needs, and the "
+                                              "longest context that fits in this machine's memory")
+@click.option("--batch", type=at_least(1), default=1, show_default=True, help="sequences at once (serve's --max-batch)")
+@kv_cache_option
+@click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="the run's dtype")
+def info(model_dir, ctx, batch, kv_cache, dtype):
+    """Architecture, size, and tensors by dtype of a checkpoint dir; with --ctx, whether a run fits."""
+    from .info import describe, memory_lines
 
     click.echo(describe(model_dir))
+    if ctx:
+        click.echo(memory_lines(model_dir, ctx, batch, kv_cache, dtype))
 
 
 @cli.command()
@@ -414,14 +442,17 @@ def check_writable(path: Path | None, flag: str, inputs=()) -> None:
 @click.option("--decode", is_flag=True,
               help="score the models' logits as decoding makes them (one token per step, KV cache) instead of "
                    "one pass per chunk: what the decoding kernels cost in fidelity")
+@click.option("--kv-cache", "kv_caches", type=Registered(_kv_kinds), multiple=True, default=("bf16",),
+              show_default=True, help="score each model with this KV cache (repeatable: a row per kind); "
+                                      "a quantized one is read as generation reads it, block by block")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
 def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, kernel, decode,
-             json_path, md_path):
+             kv_caches, json_path, md_path):
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
     --tasks whether their greedy answers to code tasks still pass hidden tests. A MODEL_DIR that is a
     .gguf file is scored by llama.cpp on the same tokens (needs the bench extra)."""
-    from eval.run import evaluate, how_run, write_reports
+    from eval.run import evaluate, how_run, in_blocks, write_reports
 
     inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")),
               *([tasks] if tasks and tasks != "builtin" else [])]
@@ -439,13 +470,15 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
         if ggufs:
             raise QliteError(f"--tasks: {ggufs[0]} is a GGUF; code tasks run qlite checkpoints (score GGUFs with --data)")
         code_tasks = load_tasks(tasks)[:max_tasks]
+    kv_caches = tuple(dict.fromkeys(kv_caches))
     rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype, kernel=kernel,
-                    decode=decode) if data else []
+                    decode=decode, kv_caches=kv_caches) if data else []
     code_rows = None
     if code_tasks:
         from eval.code_eval import evaluate_code
         code_rows = evaluate_code(model_dirs, baseline, code_tasks, dtype=dtype, max_new_tokens=max_new_tokens)
-    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path, code_rows, how_run(kernel, decode)))
+    click.echo(write_reports(rows, baseline.name, ctx, json_path, md_path, code_rows,
+                             how_run(kernel, decode, in_blocks(ctx, decode, kv_caches))))
 
 
 @cli.command("import-gguf")

@@ -39,6 +39,17 @@ class Qwen2Config:
         return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def context_length(self) -> int:
+        """The longest context the model runs: max_position_embeddings, or with a rope scaling that
+        stretches it (linear, YaRN, dynamic NTK) factor x the context it scales from, as vLLM derives it
+        (Llama 3.1's configs already give the stretched one)."""
+        scaling = dict(self.rope_scaling or ())
+        if scaling.get("rope_type") not in ("linear", "yarn", "dynamic"):
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(scaling["factor"] * original))
+
+    @property
     def arch(self):
         from .arch import architecture
         return architecture(self.model_type, "config")

@@ -221,7 +221,7 @@ def decode_batch(model, prompts: list[list[int]], seqs: list[Sequence]
     ended (at an eos, a stop string, the token budget or the model's context; the cache grows as
     tokens come). Yields, each step, every row's (token taken, or None once ended; its events).
     Non-finite logits raise QliteError."""
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     if not prompts or any(len(p) == 0 for p in prompts):
         raise QliteError("empty prompt")
     B, L = len(prompts), max(len(p) for p in prompts)

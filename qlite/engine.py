@@ -63,7 +63,7 @@ class Engine:
 
     def __post_init__(self):
         model = self.lm.model
-        self.ctx = min(self.ctx, model.config.max_position_embeddings)
+        self.ctx = min(self.ctx, model.config.context_length)
         self.cache = RowCache(model, self.max_batch, self.ctx)
         self.waiting: collections.deque[Job] = collections.deque()
         self.wake = threading.Condition()

@@ -83,28 +83,31 @@ class FusedLayers:
         return cls(model, (CLayer * len(rows))(*rows))
 
     def takes(self, x: torch.Tensor, step: Step) -> bool:
-        """One new bf16 token per row, a bf16 cache, plain or left-padded rows (as NativeOps.attention)."""
+        """One new bf16 token per row, a bf16 or quantized cache, plain or left-padded rows (as
+        NativeOps.attention)."""
         cache = step.cache
         return (x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.is_cpu and cache is not None
-                and cache.k.dtype == torch.bfloat16 and cache.k.is_cpu
-                and (step.mask is None or step.key_starts is not None))
+                and native.cache_ready(cache.k, cache.kv_bits) and (step.mask is None or step.key_starts is not None))
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x (B, 1, hidden) -> the residual stream after every layer, (B, 1, hidden); the cache written at step.start."""
         B = x.shape[0]
-        k, v = step.cache.k, step.cache.v  # (layers, B or more, n_kv, capacity, head_dim)
-        layers, rows, n_kv, capacity, hd = k.shape
-        pos = step.start
-        native._check_rule((layers, n_kv, hd) == (self.n_layers, self.n_kv, self.head_dim) and rows >= B
-                           and k.stride()[2:] == (capacity * hd, hd, 1) and v.shape == k.shape
+        k, v, bits = step.cache.k, step.cache.v, step.cache.kv_bits  # (layers, B or more, n_kv, capacity, record)
+        layers, rows, n_kv, capacity, rec = k.shape
+        hd, pos, record = self.head_dim, step.start, native.kv_record_bytes(bits, self.head_dim)
+        native._check_rule((layers, n_kv, rec * k.element_size()) == (self.n_layers, self.n_kv, record)
+                           and rows >= B and k.stride()[2:] == (capacity * rec, rec, 1) and v.shape == k.shape
                            and v.stride() == k.stride() and 0 <= pos < capacity,
-                           f"cache {tuple(k.shape)} at {pos}: want bf16 [{self.n_layers}, >={B}, {self.n_kv}, "
-                           f"capacity, {self.head_dim}] rows")
+                           f"cache {tuple(k.shape)} at {pos}: want {bits}-bit records [{self.n_layers}, >={B}, "
+                           f"{self.n_kv}, capacity, {record} bytes] rows")
         starts = native.checked_starts(step.key_starts, B, pos)
+        offsets = step.cache.k_offset if bits != 16 else None
+        if offsets is not None:
+            native._check(offsets, torch.float32, (self.n_layers, n_kv, hd), "k_offsets")
         cos, sin = step.cos.reshape(B, hd).contiguous(), step.sin.reshape(B, hd).contiguous()
         out = x.reshape(B, self.hidden).clone()  # updated in place
         native.library().qlite_decode_layers(
             ctypes.addressof(self.table), self.n_layers, out.data_ptr(), B, self.hidden, self.eps, cos.data_ptr(),
-            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), native._ptr(starts), self.n_head,
-            n_kv, hd, capacity, pos, torch.get_num_threads())
+            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), k.stride(1) * k.element_size(),
+            native._ptr(starts), self.n_head, n_kv, hd, capacity, pos, bits, native._ptr(offsets), torch.get_num_threads())
         return out.view(B, 1, self.hidden)

@@ -28,6 +28,15 @@ def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
     return 8 * stored / weights
 
 
+def rope_scaling(cfg) -> str:
+    """ (yarn x4 from 32768), or nothing for a config without rope scaling."""
+    s = dict(cfg.rope_scaling or ())
+    if not s:
+        return ""
+    original = s.get("original_max_position_embeddings") or s.get("max_position_embeddings")
+    return f" ({s['rope_type']} x{s['factor']:g}{f' from {original}' if original else ''})"
+
+
 def logical_parameters(cfg) -> int:
     """Parameters of the 16-bit model the config describes (whatever the storage format; a tied table
     once): the decoder's own, built on the meta device."""
@@ -61,7 +70,7 @@ def describe(model_dir: str | Path) -> str:
         f"architecture   {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"mlp {cfg.intermediate_size}, heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), "
         f"head_dim {cfg.head_dim}",
-        f"vocab          {cfg.vocab_size}, context {cfg.max_position_embeddings}, rope_theta {cfg.rope_theta:g}, "
+        f"vocab          {cfg.vocab_size}, context {cfg.context_length}{rope_scaling(cfg)}, rope_theta {cfg.rope_theta:g}, "
         f"tied embeddings {'yes' if cfg.tie_word_embeddings else 'no'}",
         f"parameters     {params:,} ({params / 1e9:.3f} B)",
         f"tensor bytes   {total:,} ({total / 2**20:.1f} MiB), {8 * total / params:.2f} bits per parameter",
@@ -73,6 +82,32 @@ def describe(model_dir: str | Path) -> str:
     report = ckpt.path / REPORT_NAME
     if report.exists() or report.is_symlink():
         lines += report_lines(report, ckpt.path)
+    return "\n".join(lines)
+
+
+def memory_lines(model_dir: str | Path, tokens: int, batch: int, kv_cache: str, dtype: str) -> str:
+    """`qlite info --ctx`: what a run of batch x tokens needs, and the longest context that fits here."""
+    import torch
+
+    from . import fit
+    from .kv_quant import KINDS
+    from .loader import resolve_dtype
+
+    ckpt = CheckpointDir(model_dir)
+    run_dtype, bits = resolve_dtype(dtype, torch.device("cpu")), KINDS[kv_cache]
+    context = ckpt.config.context_length
+    needed = fit.need(ckpt, min(tokens, context), batch, bits, run_dtype)
+    rows = f"{batch} x " if batch > 1 else ""
+    lines = [f"memory         {rows}{min(tokens, context)} tokens, KV cache {kv_cache}: {needed.describe()}"]
+    if tokens > context:
+        lines[0] += f" (the model's context is {context})"
+    available = fit.available_here()
+    if available is None:
+        return "\n".join(lines + ["fits here      unknown (no /proc/meminfo)"])
+    longest = fit.longest_context(ckpt, available, batch, bits, run_dtype)
+    verdict = "yes" if needed.total <= available else "no"
+    lines.append(f"fits here      {verdict}: {fit.size_text(available)} available; the longest context that fits is "
+                 f"{longest} tokens{f' (the whole {context})' if longest == context else ''}")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import kv_quant, native
 from .backends import backend_named, use_backend
 from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, FLOAT_STORAGE, CheckpointDir
 from .errors import QliteError
@@ -111,12 +111,18 @@ def float_layer(ckpt: CheckpointDir, cfg, i: int) -> DecoderLayer:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               kernel: str = "auto") -> Qwen2ForCausalLM:
+               kernel: str = "auto", kv_cache: str = "bf16") -> Qwen2ForCausalLM:
     """Load a (possibly quantized) checkpoint dir. Floating parameters are cast to `dtype`; quantized
-    buffers keep their stored dtype. `kernel` names the backend (backends.py)."""
+    buffers keep their stored dtype. `kernel` names the backend (backends.py); `kv_cache` what the
+    caches it makes hold (kv_quant.KINDS)."""
     backend_named(kernel)  # an unknown name fails before anything is read
+    if kv_cache not in kv_quant.KINDS:
+        raise QliteError(f"--kv-cache {kv_cache!r}: one of {', '.join(kv_quant.KINDS)}")
     ckpt = CheckpointDir(model_dir)
     cfg = ckpt.config
+    if kv_quant.KINDS[kv_cache] != 16 and cfg.head_dim % kv_quant.GROUP:
+        raise QliteError(f"--kv-cache {kv_cache}: {ckpt.path / 'config.json'}: head_dim {cfg.head_dim} is not a "
+                         f"multiple of {kv_quant.GROUP} (the quantized cache's group)")
     dev = resolve_device(device)
     large_allocations_from_mmap()
     float_dtype = resolve_dtype(dtype, dev)
@@ -138,5 +144,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model.tie_weights()
     model.model.rotary.to(dev)
     use_backend(model, kernel)
+    model.kv_bits = kv_quant.KINDS[kv_cache]
     release_freed_memory()
     return model.eval()

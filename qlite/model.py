@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kv_quant
+from .arch.rope import dynamic_inv_freq
 from .config import Qwen2Config
 from .qembedding import QuantEmbedding
 from .qlinear import QuantLinear
@@ -134,9 +136,14 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq, self.attention_factor = cfg.arch.rope(cfg)  # the factor on cos and sin (YaRN's; else 1)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        scaling = dict(cfg.rope_scaling or ())
+        self.dynamic = (scaling, cfg.head_dim, cfg.rope_theta) if scaling.get("rope_type") == "dynamic" else None
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
+        inv_freq = self.inv_freq
+        if self.dynamic is not None:  # frequencies from each row's length so far (its last position + 1)
+            inv_freq = dynamic_inv_freq(*self.dynamic, positions.amax(-1) + 1)[:, None]  # (B, 1, head_dim/2)
+        freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, head_dim)
         if self.attention_factor == 1.0:
             return angles.cos(), angles.sin()
@@ -150,15 +157,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys and values of every layer: (layers, B, n_kv_heads, capacity, head_dim). It starts at
-    `capacity` tokens and grows (doubling, copied) as tokens arrive, up to `limit`: memory follows
-    what a generation uses, not what it might."""
+    """Keys and values of every layer: (layers, B, n_kv_heads, capacity, record), a record being a
+    token's head_dim values in the model's dtype (bits 16) or kv_quant's int8 / int4 records (uint8
+    bytes). It starts at `capacity` tokens and grows (doubling, copied) as tokens arrive, up to `limit`:
+    memory follows what a generation uses, not what it might."""
 
     def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype: torch.dtype, device="cpu",
-                 limit: int | None = None):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 limit: int | None = None, kv_bits: int = 16, k_offset: torch.Tensor | None = None):
+        # k_offset: float32 (layers, n_kv, head_dim) taken off the keys a quantized cache stores (Qwen2ForCausalLM.key_offsets)
+        self.kv_bits, self.dtype, self.head_dim, self.k_offset = kv_bits, dtype, cfg.head_dim, k_offset
+        record = cfg.head_dim if kv_bits == 16 else kv_quant.record_bytes(kv_bits, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, record)
+        self.k = torch.zeros(shape, dtype=dtype if kv_bits == 16 else torch.uint8, device=device)
+        self.v = torch.zeros_like(self.k)
         self.limit = max(capacity, limit or capacity)
         self.length = 0  # tokens stored; a forward's layers write at length.., then it advances
 
@@ -181,11 +192,19 @@ class KVCache:
             del old
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, n_kv, T, head_dim) after the cached tokens; return all of them (B, n_kv, length + T, hd)."""
+        """Store k, v (B, n_kv, T, head_dim) after the cached tokens; return all of them (B, n_kv, length + T, hd),
+        as stored (a quantized cache's decoded)."""
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if self.kv_bits == 16:
+            self.k[layer][:, :, self.length:end] = k
+            self.v[layer][:, :, self.length:end] = v
+            return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        offset = None if self.k_offset is None else self.k_offset[layer]  # (n_kv, head_dim)
+        self.k[layer][:, :, self.length:end] = kv_quant.encode(k.float() - (0 if offset is None else offset[:, None]),
+                                                               self.kv_bits)
+        self.v[layer][:, :, self.length:end] = kv_quant.encode(v, self.kv_bits)
+        return (kv_quant.decode_heads(self.k[layer][:, :, :end], self.kv_bits, self.head_dim, k.dtype, offset),
+                kv_quant.decode_heads(self.v[layer][:, :, :end], self.kv_bits, self.head_dim, v.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -194,7 +213,8 @@ class KVCache:
     def first_rows(self, n: int) -> "KVCache":
         """A cache over rows 0..n-1 of this one, sharing its storage and length (no growth)."""
         view = object.__new__(KVCache)
-        view.k, view.v, view.length, view.limit = self.k[:, :n], self.v[:, :n], self.length, self.capacity
+        view.__dict__.update(self.__dict__)
+        view.k, view.v, view.limit = self.k[:, :n], self.v[:, :n], self.capacity
         return view
 
 
@@ -218,6 +238,14 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             qkv = self.normed_heads(qkv)
         return self.o_proj(self.ops.attention(qkv, step, self))
+
+    def key_bias(self) -> torch.Tensor | None:
+        """k_proj's bias (n_kv * head_dim,), or None."""
+        qkv = self.qkv_proj
+        if isinstance(qkv, SplitLinear):
+            return qkv["k_proj"].bias
+        rows = self.n_head * self.head_dim
+        return None if qkv.bias is None else qkv.bias[rows:rows + self.n_kv * self.head_dim]
 
     def normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """q and k of qkv (B, T, q|k|v) each RMS-normed per head (Qwen3), v as it is."""
@@ -297,6 +325,11 @@ def key_starts(key_mask: torch.Tensor) -> torch.Tensor | None:
 
 class Qwen2ForCausalLM(nn.Module):
     ops = TorchOps  # for what decoding does with the logits (argmax_rows)
+    # tokens per forward when a prompt goes into a cache: its activations (the MLP's T x 2 intermediate
+    # above all) are bounded by this, not by the prompt's length; as llama.cpp's default micro-batch
+    prefill_chunk = 512
+    kv_bits = 16  # the KV cache's: 16 (the model's dtype), 8 or 4 (kv_quant's records); --kv-cache sets it
+    KEY_OFFSET_SPAN = 4096  # positions the key offsets average over
 
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
@@ -325,20 +358,53 @@ class Qwen2ForCausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def new_cache(self, batch: int, capacity: int, limit: int | None = None) -> KVCache:
-        return KVCache(self.config, batch, capacity, self.dtype, self.device, limit)
+        offsets = None if self.kv_bits == 16 else self.key_offsets()
+        return KVCache(self.config, batch, capacity, self.dtype, self.device, limit, self.kv_bits, offsets)
+
+    def key_offsets(self) -> torch.Tensor | None:
+        """Per layer and kv head, the rotated k bias averaged over positions 0..KEY_OFFSET_SPAN-1,
+        float32 (layers, n_kv, head_dim); None for a model without k bias. A quantized cache stores the
+        keys less it: Qwen2's k biases give every key a large, nearly constant part (key norms of
+        100-280 in the demo model's first layers) that per-token scales would spend their range on, and
+        softmax does not see a constant added to all of a head's keys. Computed once."""
+        if getattr(self, "_key_offsets", False) is False:
+            biases = [layer.self_attn.key_bias() for layer in self.model.layers]
+            self._key_offsets = None if any(b is None for b in biases) else self._rotated_mean(biases)
+        return self._key_offsets
+
+    @torch.no_grad()
+    def _rotated_mean(self, biases: list[torch.Tensor]) -> torch.Tensor:
+        attn = self.model.layers[0].self_attn
+        positions = torch.arange(self.KEY_OFFSET_SPAN, device=self.device)[None]  # (1, span)
+        cos, sin = self.model.rotary(positions)  # (1, 1, span, head_dim)
+        b = torch.stack(biases).float().view(len(biases), attn.n_kv, 1, attn.head_dim)  # (layers, n_kv, 1, hd)
+        return apply_rope(b, cos[0], sin[0]).mean(dim=2).contiguous()  # (layers, n_kv, head_dim)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 key_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits (B, T or 1, vocab) for input_ids (B, T), appended to `cache` if given.
-        key_mask (B, cache.length + T), True for real tokens, is needed only for padded batches;
-        positions (B, T) default to cache.length + 0..T-1."""
+        """Logits (B, T or 1, vocab) for input_ids (B, T), appended to `cache` if given (then in
+        forwards of at most prefill_chunk tokens). key_mask (B, cache.length + T), True for real tokens,
+        is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        step = Step(*self.model.rotary(positions), cache, attention_mask(T, start, key_mask, input_ids.device), start,
+        cos, sin = self.model.rotary(positions)  # (B, 1, T, head_dim): all at once, as one forward has them
+        chunk, kept = T if cache is None else self.prefill_chunk, []
+        for a in range(0, T, chunk):
+            x = self.hidden_states(input_ids[:, a:a + chunk], cos[:, :, a:a + chunk], sin[:, :, a:a + chunk], cache,
+                                   None if key_mask is None else key_mask[:, :start + a + chunk])  # (B, chunk, hidden)
+            kept += [] if last_only else [x]
+        x = x[:, -1:] if last_only else torch.cat(kept, dim=1)  # (B, T or 1, hidden)
+        return self.lm_head(self.model.norm(x))
+
+    def hidden_states(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                      key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layers' output (B, T, hidden) for input_ids (B, T) after the cache's tokens."""
+        T, start = input_ids.shape[1], cache.length if cache is not None else 0
+        step = Step(cos, sin, cache, attention_mask(T, start, key_mask, input_ids.device), start,
                     key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None)
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
         fused = self.model.fused_layers
@@ -349,9 +415,7 @@ class Qwen2ForCausalLM(nn.Module):
                 x = layer(x, step)
         if cache is not None:
             cache.length += T
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        return x
 
 
 def checkpoint_module(name: str) -> str:

@@ -45,9 +45,12 @@ SIGNATURES = {
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
-    "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _P, _I],
+    "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _I, _P, _P, _I],
     "qlite_argmax_bf16": [_P, _L, _L, _P, _P],
-    "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _I],
+    "qlite_kv_decode": [_P, _L, _L, _L, _I, _L, _P, _L, _P, _I],
+    "qlite_kv_record_bytes": [_I, _L],
+    "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _I,
+                            _P, _I],
 }
 PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's qlite_product fields, in kind order
     "qlite_gemv_bf16": ("w", "N", "K"),
@@ -340,30 +343,65 @@ def checked_starts(starts: torch.Tensor | None, B: int, pos: int) -> torch.Tenso
     return starts
 
 
+def kv_record_bytes(bits: int, head_dim: int) -> int:
+    """The bytes of one (head, token) record of a KV cache of `bits` (attention.h's layout, which
+    kv_quant.py writes too)."""
+    return library().qlite_kv_record_bytes(bits, head_dim)
+
+
+def cache_ready(cache: torch.Tensor, bits: int) -> bool:
+    """Whether decode attention takes a cache of these records (bf16 values, or kv_quant's uint8 records)."""
+    return cache.is_cpu and cache.dtype == (torch.bfloat16 if bits == 16 else torch.uint8) and library() is not None
+
+
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
-                     cache_v: torch.Tensor, n_head: int, pos: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+                     cache_v: torch.Tensor, n_head: int, pos: int, starts: torch.Tensor | None = None,
+                     bits: int = 16, k_offset: torch.Tensor | None = None) -> torch.Tensor:
     """One new token of each of B sequences: rotary q and k (cos/sin float32 [B, head_dim]), k and v
-    stored at `pos` of the row's caches (bf16 [B, n_kv, capacity, head_dim], each row contiguous),
-    attention over the row's positions starts[b]..pos (int64 [B]; None: from 0). qkv: bf16 [B, q|k|v].
-    Returns bf16 [B, n_head * head_dim]."""
-    B, n_kv, capacity, hd = cache_k.shape
+    stored at `pos` of the row's caches ([B, n_kv, capacity, record]: bf16 values for bits 16, else
+    kv_quant's uint8 records of the keys less k_offset (float32 [n_kv, head_dim]) and the values; each
+    row contiguous), attention over the row's positions starts[b]..pos (int64 [B]; None: from 0).
+    qkv: bf16 [B, q|k|v]. Returns bf16 [B, n_head * head_dim]."""
+    B, n_kv, capacity, _ = cache_k.shape
+    _check_rule(bits in (16, 8, 4) and n_head > 0 and n_kv > 0, f"{bits}-bit cache, {n_head} heads over {n_kv}")
+    hd = qkv.shape[-1] // (n_head + 2 * n_kv)
+    rec = kv_record_bytes(bits, hd) // cache_k.element_size()
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     for cache, name in ((cache_k, "cache_k"), (cache_v, "cache_v")):
-        _check_rule(cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
-                    and cache.shape == (B, n_kv, capacity, hd) and cache.stride()[1:] == (capacity * hd, hd, 1)
-                    and cache.stride(0) == cache_k.stride(0),
-                    f"{name} {tuple(cache.shape)} {cache.dtype}: want bf16 rows of [{n_kv}, {capacity}, {hd}]")
+        _check_rule(cache_ready(cache, bits) and cache.shape == (B, n_kv, capacity, rec)
+                    and cache.stride()[1:] == (capacity * rec, rec, 1) and cache.stride(0) == cache_k.stride(0),
+                    f"{name} {tuple(cache.shape)} {cache.dtype}: want {bits}-bit records of [{n_kv}, {capacity}, {rec}]")
     _check(qkv, torch.bfloat16, (B, (n_head + 2 * n_kv) * hd), "qkv")
     _check_rule(n_head % n_kv == 0 and hd % 32 == 0, f"{n_head} heads over {n_kv} of {hd}")
     for t, name in ((cos, "cos"), (sin, "sin")):
         _check(t, torch.float32, (B, hd), name)
     _check_rule(0 <= pos < capacity, f"position {pos} outside a cache of {capacity}")
+    if k_offset is not None:
+        _check(k_offset, torch.float32, (n_kv, hd), "k_offset")
     starts = checked_starts(starts, B, pos)
     out = torch.empty(B, n_head * hd, dtype=torch.bfloat16)
     library().qlite_decode_attention(qkv.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
-                                     cache_v.data_ptr(), cache_k.stride(0),
+                                     cache_v.data_ptr(), cache_k.stride(0) * cache_k.element_size(),
                                      _ptr(starts), n_head, n_kv, hd, capacity,
-                                     pos, out.data_ptr(), torch.get_num_threads())
+                                     pos, bits, _ptr(k_offset), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def kv_decode(records: torch.Tensor, bits: int, head_dim: int, offset: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A quantized cache's records (B, n_kv, T, record) uint8 -> bf16 values (B, n_kv, T, head_dim), plus
+    offset (float32 [n_kv, head_dim]) where given; None where the records' layout is not one the
+    kernel walks (each head's T records contiguous, heads and rows evenly apart) or no library."""
+    B, n_kv, T, rec = records.shape
+    st = records.stride()
+    if (library() is None or records.dtype != torch.uint8 or not records.is_cpu or bits not in (8, 4) or head_dim % 32
+            or rec != kv_record_bytes(bits, head_dim) or st[3] != 1 or st[2] != rec
+            or (B > 1 and st[0] != n_kv * st[1])):
+        return None
+    if offset is not None:
+        _check(offset, torch.float32, (n_kv, head_dim), "offset")
+    out = torch.empty(B, n_kv, T, head_dim, dtype=torch.bfloat16)
+    library().qlite_kv_decode(records.data_ptr(), B * n_kv, T, st[1], bits, head_dim, _ptr(offset), n_kv,
+                              out.data_ptr(), torch.get_num_threads())
     return out
 
 

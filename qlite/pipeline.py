@@ -132,9 +132,9 @@ def checked_threads(threads) -> int:
 
 
 def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel: str = "auto",
-         threads: int | None = None) -> TextModel:
+         threads: int | None = None, kv_cache: str = "bf16") -> TextModel:
     """Load a checkpoint dir (16-bit or quantized by qlite) with its tokenizer. `threads`: CPU threads
-    for torch and qlite's kernels (default: torch's, one per core)."""
+    for torch and qlite's kernels (default: torch's, one per core); kv_cache: bf16, int8 or int4."""
     import torch
 
     from .loader import load_model
@@ -142,7 +142,7 @@ def load(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", kernel
     if threads is not None:
         torch.set_num_threads(checked_threads(threads))
     model_dir = Path(model_dir).expanduser()
-    model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel)
+    model = load_model(model_dir, dtype=dtype, device=device, kernel=kernel, kv_cache=kv_cache)
     tokenizer = Tokenizer(model_dir)
     return TextModel(model, tokenizer, eos_token_ids(model_dir, model.config.eos_token_ids, tokenizer),
                      sampling_defaults(model_dir))

@@ -336,7 +336,7 @@ def open_files_for(limits: Limits) -> None:
 
 def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, ctx: int = 4096,
           max_queue: int = 64, threads: int | None = None, dtype: str = "auto", kernel: str = "auto",
-          log=print, limits: Limits = Limits()) -> None:
+          log=print, limits: Limits = Limits(), kv_cache: str = "bf16") -> None:
     """Load the model, start the engine, serve until Ctrl-C (open requests finish first)."""
     try:
         import uvicorn
@@ -353,11 +353,13 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
             pass
     except OSError as e:
         raise QliteError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
-    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads)
+    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads, kv_cache=kv_cache)
+    from .fit import check_fits
+    check_fits(model_dir, lm.model, min(ctx, lm.model.config.context_length), "--ctx", batch=max_batch)
     engine = Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue).start()
     model_id = Path(model_dir).expanduser().resolve().name
     log(f"serving {model_id} on http://{host}:{port}/v1 (max batch {max_batch}, context {engine.ctx}, "
-        f"KV cache {engine.cache.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
+        f"KV cache {kv_cache} {engine.cache.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
         f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
     config = server_config(make_app(lm, engine, model_id, limits), host, port, limits, timeout_graceful_shutdown=60)
     try:

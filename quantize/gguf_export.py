@@ -119,8 +119,9 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             writer.add_rope_scaling_factor(scaling["factor"])
             if "original_max_position_embeddings" in scaling:
                 writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-        elif scaling:
-            raise QliteError(f"{src.path}: rope scaling {scaling['rope_type']}: not written to GGUF yet")
+        elif scaling:  # llama.cpp has no dynamic NTK; Llama 3.1's factors would go in a rope_freqs tensor
+            raise QliteError(f"{src.path}: rope scaling {scaling['rope_type']}: llama.cpp's GGUF has no key for it "
+                             f"(not exported)")
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         writer.add_file_type(FILE_TYPES[main_kind])
         writer.add_quantization_version(2)

@@ -289,9 +289,9 @@ def test_an_oversized_side_file_is_refused_without_reading_it_all(capsys, ckpt, 
 # 6. silently wrong: features, stored values, coercion
 
 @pytest.mark.parametrize("field, value", [
-    ("rope_scaling", {"type": "dynamic", "factor": 4.0}),
+    ("rope_scaling", {"type": "su", "factor": 4.0}),  # Phi-3's early name for LongRoPE
     ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
+    ("rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}),
     ("rope_scaling", {"type": "yarn", "factor": -4.0}),
     ("use_sliding_window", True),
 ])

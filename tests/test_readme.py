@@ -30,7 +30,8 @@ def test_the_readme_names_its_commands():
 
 
 def test_every_readme_command_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
-    src = make_checkpoint(tmp_path / "SRC", intermediate_size=128)  # whole GGUF blocks for the export
+    # whole GGUF blocks for the export; head_dim 32, as a quantized KV cache takes
+    src = make_checkpoint(tmp_path / "SRC", intermediate_size=128, hidden_size=128)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hello\n/exit\n")))
     assert main(["quantize", str(src)]) == 0, capsys.readouterr().err  # the default recipe: SRC-q4

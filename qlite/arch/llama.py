@@ -15,7 +15,7 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 class Llama(Architecture):
     model_type, hf_class, gguf_arch = "llama", "LlamaForCausalLM", "llama"
     gguf_split, gguf_pre, gguf_bos = LLAMA3_SPLIT, "llama-bpe", 128000
-    rope_scalings = ("llama3", "linear", "yarn")
+    rope_scalings = ("llama3", "linear", "yarn", "dynamic")
 
     def gguf_rows(self, name, rows, n_head, n_kv):
         heads = n_head if ".q_proj." in name else n_kv if ".k_proj." in name else None

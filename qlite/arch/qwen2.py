@@ -7,4 +7,4 @@ class Qwen2(Architecture):
     qkv_bias = True
     rope_theta = 1_000_000.0
     gguf_bos, tokenizer_class = 151643, "Qwen2Tokenizer"
-    rope_scalings = ("linear", "yarn")  # Qwen2.5's long-context configs use YaRN
+    rope_scalings = ("linear", "yarn", "dynamic")  # Qwen2.5's long-context configs use YaRN

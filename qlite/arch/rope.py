@@ -1,7 +1,8 @@
 """Rotary frequency scalings, as transformers computes them (modeling_rope_utils), pure functions: each
 takes the unscaled inverse frequencies (head_dim / 2,) and the config's scaling fields, and gives the
-scaled ones and the attention factor that multiplies cos and sin (1 but for YaRN). An architecture says
-which it accepts (Architecture.rope_scalings); the rest are refused by name."""
+scaled ones and the attention factor that multiplies cos and sin (1 but for YaRN). Dynamic NTK depends
+on the sequence's length as well (`dynamic_inv_freq`, per row). An architecture says which it accepts
+(Architecture.rope_scalings); the rest are refused by name."""
 from __future__ import annotations
 
 import math
@@ -55,7 +56,26 @@ def yarn(inv_freq, p, head_dim, theta):
     return (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated, float(attention)
 
 
-SCALINGS = {"linear": (linear, ("factor",)), "yarn": (yarn, ("factor", "original_max_position_embeddings")),
+def dynamic(inv_freq, p, head_dim, theta):
+    """Dynamic NTK: the unscaled frequencies up to the pretraining context; past it, Rotary computes
+    them per row from the row's length (dynamic_inv_freq)."""
+    return inv_freq, 1.0
+
+
+def dynamic_inv_freq(p: dict, head_dim: int, theta: float, seq_len: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK's inverse frequencies (B, head_dim / 2) for rows seq_len (B,) tokens long: the base
+    raised as the length passes max_position_embeddings (transformers' _compute_dynamic_ntk_parameters,
+    in its float32 order). transformers takes the longest row of a batch and keeps the largest length it
+    has seen until one falls back under the context; here each row's own length decides its frequencies,
+    so a row's numbers do not depend on its batch (equal to transformers for one sequence)."""
+    factor, context = p["factor"], p["max_position_embeddings"]
+    seq = seq_len.clamp(min=context).float()[:, None]  # (B, 1)
+    base = theta * ((factor * seq / context) - (factor - 1)) ** (head_dim / (head_dim - 2))  # (B, 1)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=seq.device).float() / head_dim
+    return 1.0 / (base ** exponents)  # (B, head_dim / 2)
+
+
+SCALINGS = {"linear": (linear, ("factor",)), "dynamic": (dynamic, ("factor", "max_position_embeddings")), "yarn": (yarn, ("factor", "original_max_position_embeddings")),
             "llama3": (llama3, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))}
 OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
@@ -72,6 +92,8 @@ def checked(scaling: dict, accepted: tuple[str, ...], d: dict, model_type: str, 
                          f"{model_type} (it has {', '.join(accepted) or 'no rope scaling'}; remove it to run at the "
                          f"original context)")
     p = {k: v for k, v in scaling.items() if k in SCALINGS[kind][1] + OPTIONAL + ("truncate",)}
+    if kind == "dynamic":  # transformers scales from the config's context, not an "original" one
+        p["max_position_embeddings"] = d.get("max_position_embeddings")
     if "original_max_position_embeddings" in SCALINGS[kind][1]:
         p.setdefault("original_max_position_embeddings",
                      d.get("original_max_position_embeddings") or d.get("max_position_embeddings"))

@@ -1,9 +1,108 @@
 /* qlite_decode_attention, the same in both kernel files (kernels.c, kernels_avx2.c): each defines these
  * three vector helpers, then includes this file.
  *   float dot_bf16(const float *q, const uint16_t *k, long n)    sum q[i] k[i], n % 32 == 0
+ *   float dot_f32(const float *q, const float *k, long n)        sum q[i] k[i], n % 32 == 0
+ *   void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc)
+ *                                                               acc += sum_t p[t] V[t, :], hd % 32 == 0
  *   float exp_sum(float *sc, long S, float mx)                   sc[s] = e^(sc[s] - mx) in place; their sum
  *   void mix_bf16(const float *p, const uint16_t *V, long S, long hd, float scale, uint16_t *out)
- *                                                               out = bf16(scale sum_t p[t] V[t, :]), hd % 32 == 0 */
+ *                                                               out = bf16(scale sum_t p[t] V[t, :]), hd % 32 == 0
+ *
+ * The cache holds one record per (head, token): bf16 [hd] (bits 16), or, for a quantized cache
+ * (qlite/kv_quant.py writes the same bytes), codes in groups of 32 values then the groups' fp16 scales
+ * [hd / 32], a value being code x scale: bits 8, int8 codes [hd]; bits 4, two codes per byte [hd / 2],
+ * byte j of a group holding values j (low nibble) and j + 16, each stored + 8. Scales: the group's
+ * largest |value| / 127 (or 7), rounded to fp16; codes: value / scale rounded to nearest even. A
+ * quantized cache stores keys less the head's key offset (k_offset, fp32 [n_kv, hd]; NULL: none), a
+ * constant per head that softmax does not see, so the scores are taken on the stored keys as they are. The
+ * quantized records are read with plain C loops over 16-wide accumulators, which the compiler
+ * vectorizes for the file's instruction set; each record is decoded once for all the query heads that
+ * share its kv head. */
+
+static inline long kv_record_bytes(int bits, long hd) { return bits == 16 ? 2 * hd : bits * hd / 8 + hd / 16; }
+
+int qlite_kv_record_bytes(int bits, long hd) { return (int)kv_record_bytes(bits, hd); }  /* for native.py */
+
+static void kv_encode(const float *x, long hd, int bits, uint8_t *rec) {  /* x: bf16-exact values */
+    float qmax = bits == 8 ? 127.f : 7.f;
+    uint16_t *scales = (uint16_t *)(rec + bits * hd / 8);
+    for (long g = 0; g < hd / 32; g++) {
+        const float *xg = x + 32 * g;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+        uint16_t s16 = _cvtss_sh(fminf(amax / qmax, 65504.f), 0);
+        float s = _cvtsh_ss(s16);
+        int code[32];
+        for (int i = 0; i < 32; i++) {
+            float c = s > 0.f ? nearbyintf(xg[i] / s) : 0.f;
+            code[i] = (int)(c > qmax ? qmax : c < -qmax ? -qmax : c);
+        }
+        if (bits == 8) for (int i = 0; i < 32; i++) ((int8_t *)rec)[32 * g + i] = (int8_t)code[i];
+        else for (int i = 0; i < 16; i++) rec[16 * g + i] = (uint8_t)((code[i] + 8) | ((code[i + 16] + 8) << 4));
+        memcpy(scales + g, &s16, 2);
+    }
+}
+
+/* A record's values, fp32 (plus offset, NULL: none): out[i] = code x scale (+ offset[i]) */
+static inline void decode_record(const uint8_t *rec, int bits, long hd, const float *offset, float *out) {
+    const uint16_t *scales = (const uint16_t *)(rec + bits * hd / 8);
+    for (long g = 0; g < hd / 32; g++) {
+        float s = _cvtsh_ss(scales[g]), *o = out + 32 * g;
+        if (bits == 8) {
+            const int8_t *c = (const int8_t *)rec + 32 * g;
+            for (int i = 0; i < 32; i++) o[i] = s * c[i];
+        } else {
+            const uint8_t *c = rec + 16 * g;
+            for (int i = 0; i < 16; i++) { o[i] = s * ((c[i] & 15) - 8); o[i + 16] = s * ((c[i] >> 4) - 8); }
+        }
+    }
+    if (offset) for (long i = 0; i < hd; i++) out[i] += offset[i];
+}
+
+#define KV_BLOCK 64  /* records decoded at a time into an fp32 tile (16 KiB at hd 64) */
+
+/* Attention of the rep query heads qr (rotated and scaled, fp32 [rep, hd]) sharing one kv head, over
+ * S quantized records rec bytes apart: each key and value record decoded once (into a tile that stays
+ * in L1) for all of them; out: bf16 [rep, hd]. buf: room for rep * S + hd * (rep + KV_BLOCK) floats. */
+static void attend_records(const float *qr, long rep, const uint8_t *K, const uint8_t *V, long S, long rec, int bits,
+                           long hd, float *buf, uint16_t *out) {
+    float *scores = buf, *acc = buf + rep * S, *tile = acc + rep * hd;
+    for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
+        long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
+        for (long t = 0; t < n; t++) decode_record(K + (t0 + t) * rec, bits, hd, NULL, tile + t * hd);
+        for (long j = 0; j < rep; j++)
+            for (long t = 0; t < n; t++) scores[j * S + t0 + t] = dot_f32(qr + j * hd, tile + t * hd, hd);
+    }
+    float norm[rep];
+    for (long j = 0; j < rep; j++) {
+        float *sc = scores + j * S, mx = -INFINITY;
+        for (long s = 0; s < S; s++) mx = sc[s] > mx ? sc[s] : mx;
+        norm[j] = 1.f / exp_sum(sc, S, mx);
+    }
+    memset(acc, 0, sizeof(float) * rep * hd);
+    for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
+        long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
+        for (long t = 0; t < n; t++) decode_record(V + (t0 + t) * rec, bits, hd, NULL, tile + t * hd);
+        for (long j = 0; j < rep; j++) mix_add_f32(scores + j * S + t0, tile, n, hd, acc + j * hd);
+    }
+    for (long j = 0; j < rep; j++)
+        for (long i = 0; i < hd; i++) out[j * hd + i] = f32_to_bf16(acc[j * hd + i] * norm[j]);
+}
+
+/* Records -> bf16 values, for attention outside this file (a prefill over a quantized cache): `rows`
+ * runs of `count` records, run r at rec + r * row_stride bytes, written to out [rows, count, hd];
+ * offsets: fp32 [heads, hd] added to run r's values from head r % heads (NULL: none). */
+void qlite_kv_decode(const uint8_t *records, long rows, long count, long row_stride, int bits, long hd,
+                     const float *offsets, long heads, uint16_t *out, int threads) {
+    long rec = kv_record_bytes(bits, hd);
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long r = 0; r < rows; r++)
+    for (long t = 0; t < count; t++) {
+        float v[hd];
+        decode_record(records + r * row_stride + t * rec, bits, hd, offsets ? offsets + (r % heads) * hd : NULL, v);
+        for (long i = 0; i < hd; i++) out[(r * count + t) * hd + i] = f32_to_bf16(v[i]);
+    }
+}
 
 static inline void rope(const uint16_t *x, const float *cos, const float *sin, long hd, float scale, float *out) {
     long half = hd / 2;  /* NeoX layout: x * cos + [-x2, x1] * sin */
@@ -15,14 +114,15 @@ static inline void rope(const uint16_t *x, const float *cos, const float *sin, l
 }
 
 /* One new token of each of B sequences: rotate q and k (cos/sin of the row's position, fp32 [B, hd]),
- * store k and v at position pos of the row's caches (bf16 [n_kv, capacity, hd], rows row_stride
- * apart), attend over the row's positions starts[b]..pos (starts NULL: 0..pos); out: bf16
- * [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output. hd % 32 == 0.
- * A row's result depends only on its own keys: the same numbers at any offset, in any batch. */
-void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint16_t *cache_k,
-                            uint16_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
-                            long hd, long capacity, long pos, uint16_t *out, int threads) {
-    long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd;
+ * store k and v at position pos of the row's caches (records of `bits` [n_kv, capacity], rows
+ * row_stride bytes apart; k_offset as above), attend over the row's positions starts[b]..pos (starts NULL: 0..pos); out:
+ * bf16 [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output.
+ * hd % 32 == 0. A row's result depends only on its own keys: the same numbers at any offset, in any batch. */
+void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint8_t *cache_k,
+                            uint8_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
+                            long hd, long capacity, long pos, int bits, const float *k_offset, uint16_t *out,
+                            int threads) {
+    long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd, rec = kv_record_bytes(bits, hd);
     float scale = 1.f / sqrtf((float)hd);
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (long b = 0; b < B; b++)
@@ -30,22 +130,37 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
         long first = starts ? starts[b] : 0, S = pos + 1 - first;
         const uint16_t *q = qkv + b * width, *k = q + n_head * hd, *v = k + n_kv * hd;
         const float *cb = cos + b * hd, *sb = sin + b * hd;
-        uint16_t *K = cache_k + b * row_stride + h * capacity * hd, *V = cache_v + b * row_stride + h * capacity * hd;
-        float *buf = malloc(sizeof(float) * (rep * S + hd));
-        float *kr = buf + rep * S, *scores = buf;
+        uint8_t *K = cache_k + b * row_stride + h * capacity * rec, *V = cache_v + b * row_stride + h * capacity * rec;
+        float *buf = malloc(sizeof(float) * (rep * S + hd * (2 * rep + KV_BLOCK + 2)));
+        float *kr = buf + rep * S + hd * (rep + KV_BLOCK), *vr = kr + hd, *qr = vr + hd, *scores = buf;
         rope(k + h * hd, cb, sb, hd, 1.f, kr);
-        for (long i = 0; i < hd; i++) { K[pos * hd + i] = f32_to_bf16(kr[i]); V[pos * hd + i] = v[h * hd + i]; }
-        K += first * hd, V += first * hd;
+        for (long i = 0; i < hd; i++) { kr[i] = bf16_to_f32(f32_to_bf16(kr[i])); vr[i] = bf16_to_f32(v[h * hd + i]); }
+        if (bits == 16) {
+            for (long i = 0; i < hd; i++) {
+                ((uint16_t *)(K + pos * rec))[i] = f32_to_bf16(kr[i]);
+                ((uint16_t *)(V + pos * rec))[i] = v[h * hd + i];
+            }
+        } else {
+            if (k_offset) for (long i = 0; i < hd; i++) kr[i] -= k_offset[h * hd + i];
+            kv_encode(kr, hd, bits, K + pos * rec);
+            kv_encode(vr, hd, bits, V + pos * rec);
+        }
+        K += first * rec, V += first * rec;
+        if (bits != 16) {
+            for (long j = 0; j < rep; j++) rope(q + (h * rep + j) * hd, cb, sb, hd, scale, qr + j * hd);
+            attend_records(qr, rep, K, V, S, rec, bits, hd, buf, out + (b * n_head + h * rep) * hd);
+            free(buf);
+            continue;
+        }
         for (long j = 0; j < rep; j++) {
             long qh = h * rep + j;
-            float qr[hd];
             rope(q + qh * hd, cb, sb, hd, scale, qr);
             float *sc = scores + j * S, mx = -INFINITY;
             for (long s = 0; s < S; s++) {
-                sc[s] = dot_bf16(qr, K + s * hd, hd);
+                sc[s] = dot_bf16(qr, (const uint16_t *)(K + s * rec), hd);
                 mx = sc[s] > mx ? sc[s] : mx;
             }
-            mix_bf16(sc, V, S, hd, 1.f / exp_sum(sc, S, mx), out + (b * n_head + qh) * hd);
+            mix_bf16(sc, (const uint16_t *)V, S, hd, 1.f / exp_sum(sc, S, mx), out + (b * n_head + qh) * hd);
         }
         free(buf);
     }

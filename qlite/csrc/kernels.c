@@ -314,6 +314,20 @@ static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
     return _mm512_reduce_add_ps(acc);
 }
 
+static inline float dot_f32(const float *q, const float *k, long n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
+    for (long i = 0; i < hd; i += 16) {
+        __m512 a = _mm512_loadu_ps(acc + i);
+        for (long t = 0; t < S; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(V + t * hd + i), a);
+        _mm512_storeu_ps(acc + i, a);
+    }
+}
+
 static inline float exp_sum(float *sc, long S, float mx) {
     __m512 sum = _mm512_setzero_ps();
     long s = 0;

@@ -297,6 +297,20 @@ static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
     return hsum(acc);
 }
 
+static inline float dot_f32(const float *q, const float *k, long n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (long i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    return hsum(acc);
+}
+
+static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
+    for (long i = 0; i < hd; i += 8) {
+        __m256 a = _mm256_loadu_ps(acc + i);
+        for (long t = 0; t < S; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(V + t * hd + i), a);
+        _mm256_storeu_ps(acc + i, a);
+    }
+}
+
 static inline float exp_sum(float *sc, long S, float mx) {
     float sum = 0.f;
     long s = 0;

@@ -4,7 +4,8 @@ from qlite.checkpoint import CheckpointDir
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 
-from eval.bench import AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, kernel_variants, measure, pool
+from eval.bench import (AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, kernel_variants, kv_cache_variants,
+                        measure, pool)
 
 
 def test_decode_bytes_count_the_table_only_when_it_is_the_head(tmp_path):
@@ -53,3 +54,12 @@ def test_kernel_variants_run_each_dir_with_each_backend(tmp_path):
     spec = {"engine": "qlite", "path": str(ckpt), "kernel": "nope", "prompt_tokens": 8, "new_tokens": 2, "repeats": 1,
             "threads": 1}
     assert "--kernel nope" in measure(spec)["error"]  # the backend reaches the load
+
+
+def test_kv_cache_variants_run_each_dir_with_each_kind(tmp_path):
+    jobs = kv_cache_variants([tmp_path / "a"], "int8,int4", {"threads": 1})
+    assert [(label, spec["kv_cache"]) for label, spec in jobs] == [("a kv int8", "int8"), ("a kv int4", "int4")]
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=1)  # head_dim 16: a quantized cache is refused at load
+    spec = {"engine": "qlite", "path": str(ckpt), "kv_cache": "int8", "prompt_tokens": 8, "new_tokens": 2, "repeats": 1,
+            "threads": 1}
+    assert "--kv-cache int8" in measure(spec)["error"]

@@ -73,6 +73,37 @@ def test_decode_scores_the_same_logits_one_token_at_a_time(base_and_quant, capsy
     assert q_row.metrics["kld_mean"] == pytest.approx(evaluate([quant], base, **kw)[0].metrics["kld_mean"], rel=1e-3)
     code = main(["eval", str(quant), "--baseline", str(base), "--data", str(text), "--ctx", "32", "--max-chunks", "2",
                  "--decode", "--kernel", "reference", "--json", str(tmp_path / "r.json")])
-    assert code == 0 and "models run with --kernel reference, one token per step through the KV cache (--decode)" \
+    assert code == 0 and "models run with --kernel reference, one token per step through the KV cache (--decode;" \
         in capsys.readouterr().out
     assert "--decode" in json.loads((tmp_path / "r.json").read_text())["how"]
+
+
+def test_blocks_through_the_cache_score_what_one_pass_scores(base_and_quant, monkeypatch):
+    """Chunks past LONG_CTX go through the KV caches block by block (the baseline's too): the same
+    metrics as one pass; a model against itself stays perfect."""
+    import eval.run
+    from qlite.model import Qwen2ForCausalLM
+
+    base, quant, text = base_and_quant
+    kw = dict(data=[str(text)], ctx=40, max_chunks=2, dtype="float32", kernel="reference", progress=False)
+    one_pass = evaluate([base, quant], base, **kw)
+    monkeypatch.setattr(eval.run, "LONG_CTX", 16)
+    monkeypatch.setattr(Qwen2ForCausalLM, "prefill_chunk", 16)  # blocks of 16, 16, 8
+    blocks = evaluate([base, quant], base, **kw)
+    assert blocks[0].metrics["kld_mean"] == pytest.approx(0, abs=1e-6) and blocks[0].metrics["tokens"] == 2 * 39
+    assert blocks[1].metrics["kld_mean"] == pytest.approx(one_pass[1].metrics["kld_mean"], rel=1e-3)
+    assert blocks[1].metrics["ppl"] == pytest.approx(one_pass[1].metrics["ppl"], rel=1e-4)
+
+
+def test_kv_cache_kinds_are_rows_of_their_own(base_and_quant, capsys, tmp_path):
+    """--kv-cache bf16 --kv-cache int8 --kv-cache int4: a row per model and kind, read as generation
+    reads the cache; the baseline against itself: perfect with bf16, int4 further off than int8."""
+    base, quant, text = base_and_quant
+    code = main(["eval", str(base), "--baseline", str(base), "--data", str(text), "--ctx", "32", "--max-chunks", "2",
+                 "--dtype", "float32", "--kv-cache", "bf16", "--kv-cache", "int8", "--kv-cache", "int4",
+                 "--json", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and "blocks of 512 tokens through the KV cache" in capsys.readouterr().out
+    kld = {r["model"]: r["metrics"]["kld_mean"] for r in report["rows"]}
+    assert list(kld) == ["base kv bf16", "base kv int8", "base kv int4"]
+    assert abs(kld["base kv bf16"]) < 1e-6 < kld["base kv int8"] < kld["base kv int4"]

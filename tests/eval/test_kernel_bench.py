@@ -13,6 +13,14 @@ def test_sampling_table():
     assert rows == list(kernel_bench.SAMPLING), r.output
 
 
+def test_attention_table():
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    r = CliRunner().invoke(kernel_bench.main, ["--attention", "100", "--calls", "2", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert [line.split("|")[1].strip() for line in r.output.splitlines()[2:]] == ["bf16", "int8", "int4"]
+
+
 def test_products_table_one_row():
     if not native.vnni_ready():
         pytest.skip("needs AVX-512 VNNI")

@@ -30,7 +30,8 @@ def test_greedy_matches_transformers_past_the_original_context(tmp_path):
 
 
 @pytest.mark.parametrize("scaling, needle", [
-    ({"rope_type": "dynamic", "factor": 4.0}, "does not implement"),
+    ({"rope_type": "longrope", "factor": 4.0}, "does not implement"),
+    ({"rope_type": "dynamic", "factor": 4.0}, "needs a positive max_position_embeddings"),  # none to scale from
     ({**LLAMA3_SCALING, "factor": -1.0}, "positive factor"),
     ({**LLAMA3_SCALING, "high_freq_factor": 0.5}, "must exceed"),
 ])

@@ -8,21 +8,8 @@ import zipfile
 import pytest
 
 from qlite import demo
+from cli_checks import assert_one_line_error, run_cli
 from qlite.cli import main
-
-
-def run_cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code != 0
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture

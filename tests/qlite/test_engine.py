@@ -52,10 +52,12 @@ def submit(engine, lm, prompt, max_tokens, answers):
     return done
 
 
-def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch):
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch, kv_bits):
     """8 prompts of different lengths queued before the engine starts prefill as one padded batch;
     three more join while those decode (the cache shifts right for the longest). Each answer equals
-    the prompt alone through `qlite generate`'s path."""
+    the prompt alone through `qlite generate`'s path, with a bf16 or an int8 KV cache."""
+    monkeypatch.setattr(lm.model, "kv_bits", kv_bits)
     want = {p: lm.generate(p, chat=False, max_new_tokens=12) for p in PROMPTS}
     calls = []
     if native.library() is not None:  # decode steps run in one native call (fused.py)

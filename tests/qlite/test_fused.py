@@ -1,5 +1,6 @@
 """The one-call decode step (fused.py) against the module path it replaces: the same logits, bit for bit,
-for every kind of product, split projections, batches with left padding, both instruction sets."""
+for every kind of product, split projections, batches with left padding, quantized KV caches, both
+instruction sets."""
 import pytest
 import torch
 
@@ -65,6 +66,18 @@ def test_the_fused_step_is_the_module_path_bit_for_bit(ckpts, kind, kernel, prom
     if kernel == "native" and not native.vnni_ready():
         pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
     model = load_model(ckpts[kind], dtype="bfloat16", kernel=kernel)
+    check_fused_against_module_path(model, kind, prompts, monkeypatch)
+
+
+@pytest.mark.parametrize("kv_cache", ["int8", "int4"])
+@pytest.mark.parametrize("prompts", [[list(range(3, 20)), [7, 8, 9], list(range(40, 52))]], ids=["padded-batch"])
+def test_the_fused_step_with_a_quantized_cache_is_the_module_path_bit_for_bit(ckpts, kv_cache, prompts, monkeypatch):
+    model = load_model(ckpts["int4"], dtype="bfloat16", kernel="native-a16", kv_cache=kv_cache)
+    assert model.new_cache(1, 4).k.dtype == torch.uint8 and model.key_offsets() is not None
+    check_fused_against_module_path(model, "int4", prompts, monkeypatch)
+
+
+def check_fused_against_module_path(model, kind, prompts, monkeypatch):
     fused = model.model.fused_layers
     assert fused is not None
     if kind == "mix":

@@ -72,6 +72,31 @@ def test_kv_cache_grows_as_tokens_come_up_to_its_limit(tiny_ckpt):
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
 
 
+def test_a_prompt_goes_into_the_cache_in_chunks(tiny_ckpt, monkeypatch):
+    """A prompt longer than prefill_chunk is prefilled chunk by chunk (activations bounded by the
+    chunk) and gives one forward's logits, cache and next tokens, a left-padded batch too."""
+    model = load_model(tiny_ckpt, dtype="float32")
+    ids = torch.randint(0, 500, (2, 23), generator=torch.Generator().manual_seed(4))
+    key_mask = torch.ones(2, 23, dtype=torch.bool)
+    key_mask[1, :6] = False  # row 1 left-padded
+    seen = []
+    monkeypatch.setattr(type(model), "hidden_states",
+                        lambda self, ids, *a, f=type(model).hidden_states: seen.append(ids.shape[1]) or f(self, ids, *a))
+    with torch.no_grad():
+        whole_cache, chunked_cache = model.new_cache(2, 23), model.new_cache(2, 23)
+        whole = model(ids, whole_cache, key_mask=key_mask)
+        model.prefill_chunk = 5
+        chunked = model(ids, chunked_cache, key_mask=key_mask)
+        last = model(ids, model.new_cache(2, 23), key_mask=key_mask, last_only=True)
+    assert seen == [23, 5, 5, 5, 5, 3] + [5, 5, 5, 5, 3]
+    assert (chunked - whole).abs().max() <= 1e-5 and (last - chunked[:, -1:]).abs().max() <= 1e-5
+    assert (chunked_cache.k - whole_cache.k).abs().max() <= 1e-5 and chunked_cache.length == 23
+    params = SamplingParams(max_new_tokens=8)
+    chunked_tokens = list(generate_tokens(model, [ids[0].tolist()], params, eos_ids=()))
+    model.prefill_chunk = 512
+    assert chunked_tokens == list(generate_tokens(model, [ids[0].tolist()], params, eos_ids=()))
+
+
 def test_left_padded_batch_gives_each_prompts_tokens(tiny_ckpt):
     model = load_model(tiny_ckpt, dtype="float32")
     prompts = [[7, 8, 9, 10, 11, 12, 13], [300, 301], [42, 43, 44, 45]]

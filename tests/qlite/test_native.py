@@ -428,3 +428,32 @@ def test_every_kernel_source_ships_with_the_package():
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["qlite"]
     for f in (root / "qlite" / "csrc").iterdir():
         assert any(fnmatch.fnmatch(f"csrc/{f.name}", p) for p in patterns), f.name
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_attention_on_a_quantized_cache_is_attention_over_its_decoded_keys(bits):
+    """Rows with their own first keys over int8 / int4 records (keys less a per-head offset): the new
+    v record is kv_quant's bytes, the new k record decodes to the rotated key less the offset, and
+    the output is torch's attention over the decoded keys (offset added back) and values."""
+    from qlite import kv_quant
+
+    n_head, n_kv, B, hd, capacity, pos = 14, 2, 3, 64, 100, 70
+    starts = torch.tensor([0, 9, 70])
+    qkv = torch.randn(B, (n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
+    offset = torch.randn(n_kv, hd, generator=gen(3)) * 20
+    cache_k = kv_quant.encode(torch.randn(B, n_kv, capacity, hd, generator=gen(1)), bits)
+    cache_v = kv_quant.encode(torch.randn(B, n_kv, capacity, hd, generator=gen(2)), bits)
+    cos, sin = map(torch.stack, zip(*(rope_angles(pos - int(s), hd) for s in starts)))
+    got = native.decode_attention(qkv, cos, sin, cache_k, cache_v, n_head, pos, starts, bits, offset)
+    keys = kv_quant.decode(cache_k, bits, hd, torch.float32) + offset[:, None]  # (B, n_kv, capacity, hd)
+    values = kv_quant.decode(cache_v, bits, hd, torch.float32)
+    step = {8: 1 / 127, 4: 1 / 7}[bits]
+    for b, first in enumerate(starts.tolist()):
+        q, k, v = qkv[b].float().split([n_head * hd, n_kv * hd, n_kv * hd])
+        q, k = apply_rope(q.view(n_head, 1, hd), cos[b], sin[b]), apply_rope(k.view(n_kv, 1, hd), cos[b], sin[b])
+        assert torch.equal(cache_v[b, :, pos], kv_quant.encode(v.view(n_kv, hd).bfloat16(), bits))
+        shifted = k[:, 0] - offset
+        assert ((keys[b, :, pos] - offset - shifted).abs() <= step * shifted.abs().amax() + 1e-2).all()
+        want = F.scaled_dot_product_attention(q[None], keys[b:b + 1, :, first:pos + 1], values[b:b + 1, :, first:pos + 1],
+                                              enable_gqa=True)[0].reshape(-1)
+        assert rel_err(got[b], want) < 1e-2, b
