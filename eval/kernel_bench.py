@@ -1,6 +1,7 @@
 """The decoding kernels side by side, one process: for each demo-model shape and row count, qlite's
-integer-activation product (native.gemv_vnni), its bf16-activation product (native.gemv_int4 /
-gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise hits all
+integer-activation product (native.gemv_vnni), for int4 its integer-activation matrix product (prefill's,
+native.gemm_int4_product), its bf16-activation product (native.gemv_int4 / gemv_int8) and dequantize +
+bf16 matmul, interleaved call by call so that machine noise hits all
 three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
 in int4-g64 / -g32, int4k-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
@@ -58,7 +59,7 @@ SHAPES_7B = [  # Qwen2.5-7B's decoder linears (q|k|v and gate|up fused, as qlite
 ]
 
 
-NAMES = ("integer x (vnni)", "bf16 x", "dequantize + matmul")
+NAMES = ("integer x (vnni)", "integer x GEMM (prefill)", "bf16 x", "dequantize + matmul")
 
 
 def interleaved(funcs: dict, calls: int) -> dict[str, list[float]]:
@@ -85,9 +86,11 @@ def contenders(stored, fmt) -> dict:
     else:
         funcs = (lambda x: native.gemv_vnni(x, q, s, z, None, d), lambda x: native.gemv_int4(x, q, s, z, None, d),
                  lambda x: F.linear(x, native.dequantize_int4(q, s, z, d)))
-    out = dict(zip(NAMES, funcs))
+    out = dict(zip([n for n in NAMES if n != NAMES[1]], funcs))
     if isinstance(fmt, Int4) and fmt.group_size % 64:
         del out["bf16 x"]
+    if z is not None and native.gemm_ready():
+        out[NAMES[1]] = native.gemm_int4_product(q, s, z, None, d)
     return out
 
 
@@ -259,7 +262,7 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, a
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, fmt, N, K in (SHAPES if shapes == "0.5b" else SHAPES_7B):
         stored = fmt.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
         funcs = contenders(stored, fmt)

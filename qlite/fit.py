@@ -9,7 +9,8 @@ The parts (all resident at once at the peak, which is the last prefill chunk of 
                its embedding table, which is left out
   kv cache     2 x layers x batch x kv heads x tokens x a token's record (bf16, or kv_quant's int8 / int4)
   activations  one prefill chunk's hidden states, attention and MLP outputs, rotary tables, last logits
-  scratch      the larger of: a quantized gate|up dequantized to bf16 for a prefill GEMM, and the file
+  scratch      the larger of: a quantized gate|up or down dequantized to bf16 for a prefill matmul (not int4
+               ones where the integer-activation GEMM runs them), and the file
                pages of the largest tensor converted at load (stored in another dtype than the run's)
 """
 from __future__ import annotations
@@ -90,10 +91,28 @@ def activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
     return T * per_token + rotary + batch * cfg.vocab_size * (dtype_bytes + 4)
 
 
+def dequantized_for_prefill(fmt, in_features: int) -> bool:
+    """Whether a prefill dequantizes a quantized layer of this format to bf16 for a matmul (int4 layers take
+    the integer-activation GEMM instead where this CPU has it)."""
+    from . import native
+    from .formats import Int4
+    return not (isinstance(fmt, Int4) and native.gemm_ready()
+                and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
+
+
 def scratch_bytes(cfg) -> int:
-    """A quantized model's largest decoder linear, gate|up (2 x intermediate x hidden), as bf16: a
-    prefill dequantizes it for the GEMM. 0 for a 16-bit checkpoint."""
-    return 0 if cfg.quantization is None else 2 * 2 * cfg.intermediate_size * cfg.hidden_size
+    """The largest quantized MLP linear a prefill dequantizes to bf16 (gate|up: 2 x intermediate x hidden;
+    down: half that). 0 for a 16-bit checkpoint."""
+    if cfg.quantization is None:
+        return 0
+    most = 0
+    for i in range(cfg.num_hidden_layers):
+        for name, rows, width in (("gate_proj", 2 * cfg.intermediate_size, cfg.hidden_size),
+                                  ("down_proj", cfg.hidden_size, cfg.intermediate_size)):
+            fmt = cfg.quantization.format_for(f"model.layers.{i}.mlp.{name}")
+            if fmt is not None and dequantized_for_prefill(fmt, width):
+                most = max(most, 2 * rows * width)
+    return most
 
 
 def need(ckpt, tokens: int, batch: int = 1, kv_bits: int = 16, dtype=None) -> MemoryNeed:

@@ -13,8 +13,10 @@ needs and is called with the activations. backends.py says which kernels a backe
   checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the decoding product quantizes the activations
   (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
-  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence; on AVX2 every row count, prefill
-  included): vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd, the same integer products.
+  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence; int8 weights on AVX2 every row count,
+  prefill included): vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd, the same integer products.
+  int4 weights past VNNI_MAX_ROWS rows (prefill): a matrix-matrix product on int8 activations (a scale
+  per row and group of at most 128 inputs, integer sums per group; native.gemm_int4_product).
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -216,9 +218,20 @@ class VnniInt8(_IntegerActivations, NativeInt8):
 
 class VnniInt4(_IntegerActivations, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
-    of 32 too (NativeInt4's own product needs 64)."""
+    of 32 too (NativeInt4's own product needs 64). Past max_rows, where the CPU has it, the matrix-matrix
+    product on integer activations (native.gemm_int4_product) instead of dequantize + matmul: 1.4-1.9x
+    a bf16 matmul that had nothing to dequantize at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes")."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.gemm = native.gemm_int4_product(**self.stored, bias32=self.product.bias32) if native.gemm_ready() else None
+
+    def __call__(self, x):
+        if self.gemm is None or sequence_rows(x) <= native.VNNI_MAX_ROWS:
+            return super().__call__(x)
+        return self.gemm(x).to(x.dtype)
 
     @staticmethod
     def supports(layer) -> bool:

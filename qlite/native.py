@@ -41,6 +41,7 @@ SIGNATURES = {
     "qlite_gemv_int8": [_P, _L, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_gemm_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
@@ -249,10 +250,10 @@ def vnni_ready() -> bool:
 
 
 def vnni_max_rows() -> int:
-    """Rows per sequence up to which the integer-activation products run (more: dequantize, then one
-    matmul): 16 beside AVX-512's bf16 matmuls; every row count beside AVX2's float32 ones, which they
-    beat at any row count (512 rows of the demo's gate_up / down: 1.2-1.6x; its int4 prefill 173 ->
-    ~242 tokens/s; KLD +0.3-0.5%: BENCHMARKS.md "AVX2 kernels")."""
+    """Rows per sequence up to which the integer-activation matrix-vector products run (more: int4 layers
+    take the GEMM, gemm_int4_product, on both ISAs; int8 ones dequantize for one matmul): 16 beside
+    AVX-512's bf16 matmuls; every row count beside AVX2's float32 ones, which they beat at any row count
+    (512 rows of the demo's int8 gate_up / down: 1.2-1.6x, BENCHMARKS.md "AVX2 kernels")."""
     return sys.maxsize if _loaded_isa() == "avx2" else VNNI_MAX_ROWS
 
 
@@ -278,6 +279,23 @@ def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Produc
 
 def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32, row_scales=None) -> torch.Tensor:
     return vnni_product(qweight, scales, zeros, bias32, row_scales)(x)
+
+
+def gemm_ready() -> bool:
+    """Whether the integer-activation matrix-matrix product (int_gemm.h) was built for this CPU."""
+    return vnni_ready() and hasattr(library(), "qlite_gemm_int4")
+
+
+def gemm_int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
+    """int4_product for many rows (prefill): x quantized to int8 per row and span of inputs (the group, at
+    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h)."""
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    _check_int4(qweight, scales, zeros, row_scales, 32)
+    _check_rule(gemm_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
+                f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no integer-activation matrix product)")
+    return Product("qlite_gemm_int4", N, K, (qweight, scales, zeros, row_scales),
+                   (qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), zeros.data_ptr(), scales.shape[1], N, K),
+                   bias32)
 
 
 def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:

@@ -13,7 +13,8 @@
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
  * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers (below).
- * The dequantize_* functions write bf16 weights for the many-row case (prefill), where a bf16 matmul wins.
+ * For many rows (prefill), int4 weights meet int8 activations in a GEMM (int_gemm.h); the dequantize_*
+ * functions write bf16 weights for the other formats' many-row case, where a bf16 matmul wins.
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
  * and rotary + KV-cache write + attention for one token.
  * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
@@ -257,6 +258,90 @@ static inline __attribute__((always_inline)) void int_block(
 }
 
 #include "int_driver.h"
+
+/* ---- the prefill product (int_gemm.h): 16 activation rows a vector, vpdpbusd --------------------- */
+#define LANES 16
+#define MV 3  /* activation vectors per tile: ROWS x MV = 12 integer and 12 float accumulators */
+
+/* 64 int4 weights of one row (32 bytes, even k in the low nibbles) as int8 q - z in k order, z0 for the
+ * first 32 and z1 for the rest; sums: each 32's sum of q - z */
+static inline void unpack_64_int4(const uint8_t *w, uint8_t z0, uint8_t z1, int8_t *out, int32_t *sums) {
+    __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    __m512i q = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi16(0x000f)),
+                                _mm512_and_si512(_mm512_slli_epi16(t, 4), _mm512_set1_epi16(0x0f00)));  /* bytes in k order */
+    __m512i sad = _mm512_sad_epu8(q, _mm512_setzero_si512());  /* 8 sums of 8 codes */
+    sums[0] = (int32_t)_mm512_mask_reduce_add_epi64(0x0f, sad) - 32 * z0;
+    sums[1] = (int32_t)_mm512_mask_reduce_add_epi64(0xf0, sad) - 32 * z1;
+    __m512i z = _mm512_inserti64x4(_mm512_set1_epi8((char)z0), _mm256_set1_epi8((char)z1), 1);
+    _mm512_storeu_si512(out, _mm512_sub_epi8(q, z));
+}
+
+static inline __m512 gemm_load_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* the largest |x| of n bf16 (n a multiple of 16) */
+static inline float absmax_bf16(const uint16_t *p, long n) {
+    __m512 amax = _mm512_setzero_ps();
+    for (long k = 0; k < n; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(gemm_load_bf16(p + k)));
+    return _mm512_reduce_max_ps(amax);
+}
+
+#define QUANTIZE_STEP 16
+/* 16 bf16 -> 128 + round(x inv), as bytes (1..255) */
+static inline void quantize_u8(const uint16_t *p, float inv, uint8_t *out) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(gemm_load_bf16(p), _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+}
+
+/* acc += the products of x's u8 with b's s8: the intrinsic's copy in and out of each accumulator (GCC
+ * 12 did not coalesce them: 2 moves per vpdpbusd) made the tile 1.x slower */
+static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, __m512i x, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
+}
+
+/* acc [ROWS, ...] (row stride Mp) += the products of ROWS weight rows (wq, kc inputs from k0) with mv vectors of
+ * activation rows (xq, xs from the tile's first row) */
+static inline __attribute__((always_inline)) void gemm_tile_body(
+        const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq, const int32_t *wcorr,
+        const float *wsc, int mv, float *acc, long Mp) {
+    long S = K / span, spans = kc / span;
+    __m512 f[ROWS][MV];
+    for (int r = 0; r < ROWS; r++) for (int v = 0; v < mv; v++) f[r][v] = _mm512_setzero_ps();
+    for (long j = 0; j < spans; j++) {
+        __m512i a[ROWS][MV];
+        for (int r = 0; r < ROWS; r++) for (int v = 0; v < mv; v++) a[r][v] = _mm512_set1_epi32(wcorr[r * spans + j]);
+        const uint8_t *xk = xq + (k0 + j * span) * LANES;
+        const int8_t *wk = wq + j * span;
+        for (long k = 0; k < span; k += 4) {
+            __m512i xv[MV];
+            for (int v = 0; v < mv; v++) xv[v] = _mm512_load_si512(xk + v * K * LANES + k * LANES);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t word;
+                memcpy(&word, wk + r * kc + k, 4);
+                __m512i b = _mm512_set1_epi32(word);
+                for (int v = 0; v < mv; v++) dpbusd_in_place(&a[r][v], xv[v], b);
+            }
+        }
+        for (int v = 0; v < mv; v++) {
+            __m512 d = _mm512_load_ps(xs + v * S * LANES + (k0 / span + j) * LANES);
+            for (int r = 0; r < ROWS; r++)
+                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(d, _mm512_set1_ps(wsc[r * spans + j])), f[r][v]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < mv; v++)
+            _mm512_store_ps(acc + r * Mp + v * LANES, _mm512_add_ps(_mm512_load_ps(acc + r * Mp + v * LANES), f[r][v]));
+}
+
+static void gemm_tile(const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq,
+                      const int32_t *wcorr, const float *wsc, int mv, float *acc, long Mp) {
+    if (mv == 3) gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 3, acc, Mp);
+    else if (mv == 2) gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 2, acc, Mp);
+    else gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 1, acc, Mp);
+}
+
+#include "int_gemm.h"
 #else
 int qlite_vnni_abi(void) { return 0; }
 #endif

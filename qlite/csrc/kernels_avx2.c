@@ -107,8 +107,9 @@ static inline float to_int4_act(uint16_t v) { return bf16_to_f32(v); }
  *   int4: chunk bytes 0..31 of the weights (even k from the low nibbles, odd k from the high) meet xq bytes
  *     0..31 (even) and 64..95 (odd): lanes 0..7 (inputs 0..63); bytes 32..63: lanes 8..15 (inputs 64..127);
  *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15.
- * A block's weights are unpacked once per chunk for XTILE activation rows, so many rows (a prefill) run here
- * too, faster than a float32 matmul on the dequantized weights (native.vnni_max_rows). */
+ * A block's weights are unpacked once per chunk for XTILE activation rows, so many rows of int8 weights (a
+ * prefill) run here too, faster than a float32 matmul on the dequantized weights (native.vnni_max_rows);
+ * int4 ones take the GEMM below past 16 rows. */
 
 /* int4's activations: x bf16 [M, K] -> xq int8 [M, K] ([64 even | 64 odd] per chunk), xs fp32 [M, K / CHUNK, 16]
  * (block l: inputs 8 l .. 8 l + 7 of the chunk), xsum fp32 [M, G] (each group's sum of xq xs) */
@@ -244,6 +245,79 @@ static inline __attribute__((always_inline)) void int_block(
 }
 
 #include "int_driver.h"
+
+/* ---- the prefill product (int_gemm.h): 8 activation rows a vector, vpmaddubsw + vpmaddwd ----------- */
+#define LANES 8
+#define MV 1  /* activation vectors per tile (16 registers: 4 accumulators, 4 steps of x) */
+
+/* 64 int4 weights of one row as int8 q - z in k order (kernels.c's unpack_64_int4) */
+static inline void unpack_64_int4(const uint8_t *w, uint8_t z0, uint8_t z1, int8_t *out, int32_t *sums) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i b = _mm256_loadu_si256((const __m256i *)w);
+    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    /* k order: bytes interleaved lo0 hi0 lo1 hi1 ..., per 128-bit lane, then the lanes put back in order */
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
+    __m256i q0 = _mm256_permute2x128_si256(a, c, 0x20), q1 = _mm256_permute2x128_si256(a, c, 0x31);
+    __m256i s0 = _mm256_sad_epu8(q0, _mm256_setzero_si256()), s1 = _mm256_sad_epu8(q1, _mm256_setzero_si256());
+    sums[0] = _mm256_extract_epi64(s0, 0) + _mm256_extract_epi64(s0, 1) + _mm256_extract_epi64(s0, 2) + _mm256_extract_epi64(s0, 3) - 32 * z0;
+    sums[1] = _mm256_extract_epi64(s1, 0) + _mm256_extract_epi64(s1, 1) + _mm256_extract_epi64(s1, 2) + _mm256_extract_epi64(s1, 3) - 32 * z1;
+    _mm256_storeu_si256((__m256i *)out, _mm256_sub_epi8(q0, _mm256_set1_epi8((char)z0)));
+    _mm256_storeu_si256((__m256i *)(out + 32), _mm256_sub_epi8(q1, _mm256_set1_epi8((char)z1)));
+}
+
+/* the largest |x| of n bf16 (n a multiple of 8) */
+static inline float absmax_bf16(const uint16_t *p, long n) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (long k = 0; k < n; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16(p + k)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+#define QUANTIZE_STEP 8
+/* 8 bf16 -> 128 + round(x inv), as bytes (1..255) */
+static inline void quantize_u8(const uint16_t *p, float inv, uint8_t *out) {
+    __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(p), _mm256_set1_ps(inv))), _mm256_set1_epi32(128));
+    __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w16, w16));
+}
+
+/* acc [ROWS, ...] (row stride Mp) += the products of ROWS weight rows with mv (1) vectors of activation rows
+ * (kernels.c's gemm_tile_body). 4 steps of pairs summed in int16 first: at most 4 * 2 * 255 * 15 < 2^15 */
+static void gemm_tile(const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq,
+                      const int32_t *wcorr, const float *wsc, int mv, float *acc, long Mp) {
+    (void)mv;
+    long S = K / span, spans = kc / span;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 f[ROWS];
+    for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
+    for (long j = 0; j < spans; j++) {
+        __m256i a[ROWS];
+        for (int r = 0; r < ROWS; r++) a[r] = _mm256_set1_epi32(wcorr[r * spans + j]);
+        const uint8_t *xk = xq + (k0 + j * span) * LANES;
+        const int8_t *wk = wq + j * span;
+        for (long k = 0; k < span; k += 16) {
+            __m256i xv[4];
+            for (int i = 0; i < 4; i++) xv[i] = _mm256_load_si256((const __m256i *)(xk + (k + 4 * i) * LANES));
+            for (int r = 0; r < ROWS; r++) {
+                __m256i p = _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    int32_t word;
+                    memcpy(&word, wk + r * kc + k + 4 * i, 4);
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(xv[i], _mm256_set1_epi32(word)));
+                }
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        __m256 d = _mm256_load_ps(xs + (k0 / span + j) * LANES);
+        for (int r = 0; r < ROWS; r++)
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(d, _mm256_set1_ps(wsc[r * spans + j])), f[r]);
+    }
+    for (int r = 0; r < ROWS; r++) _mm256_store_ps(acc + r * Mp, _mm256_add_ps(_mm256_load_ps(acc + r * Mp), f[r]));
+}
+
+#include "int_gemm.h"
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
 /* 16 int8 weights times one scale, as bf16 */

@@ -81,3 +81,16 @@ def test_a_tensor_converted_at_load_counts_its_file_pages_once(ckpt32):
     assert fit.load_transient_bytes(ckpt, "BF16") == largest and fit.load_transient_bytes(ckpt, "F32") == 0
     assert fit.need(ckpt, 10, dtype=torch.bfloat16).scratch == largest  # 16-bit: no dequantized gate|up
     assert fit.need(ckpt, 10, dtype=torch.float32).scratch == 0
+
+
+def test_the_scratch_is_the_largest_linear_a_prefill_dequantizes(ckpt32, monkeypatch):
+    """int4 layers the integer GEMM takes (gate|up: 128 wide) dequantize nothing; down (192 wide: not whole
+    chunks of 128) is dequantized to bf16. Without the GEMM, gate|up is the largest."""
+    from qlite import native
+    ckpt = CheckpointDir(ckpt32[1])
+    down, gate_up = 2 * 128 * 192, 2 * 2 * 192 * 128
+    monkeypatch.setattr(native, "gemm_ready", lambda: True)
+    assert fit.scratch_bytes(ckpt.config) == down
+    monkeypatch.setattr(native, "gemm_ready", lambda: False)
+    assert fit.scratch_bytes(ckpt.config) == gate_up
+    assert fit.scratch_bytes(CheckpointDir(ckpt32[0]).config) == 0
