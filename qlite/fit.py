@@ -91,18 +91,10 @@ def activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
     return T * per_token + rotary + batch * cfg.vocab_size * (dtype_bytes + 4)
 
 
-def dequantized_for_prefill(fmt, in_features: int) -> bool:
-    """Whether a prefill dequantizes a quantized layer of this format to bf16 for a matmul (int4 layers take
-    the integer-activation GEMM instead where this CPU has it)."""
-    from . import native
-    from .formats import Int4
-    return not (isinstance(fmt, Int4) and native.gemm_ready()
-                and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
-
-
 def scratch_bytes(cfg) -> int:
     """The largest quantized MLP linear a prefill dequantizes to bf16 (gate|up: 2 x intermediate x hidden;
     down: half that). 0 for a 16-bit checkpoint."""
+    from .kernels import dequantized_for_prefill
     if cfg.quantization is None:
         return 0
     most = 0

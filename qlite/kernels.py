@@ -216,6 +216,13 @@ class VnniInt8(_IntegerActivations, NativeInt8):
         return NativeInt8.supports(layer) and _vnni_fits(layer)
 
 
+def dequantized_for_prefill(fmt, in_features: int) -> bool:
+    """Whether a prefill dequantizes a quantized layer of this format to bf16 for one matmul (fit.py's
+    scratch): not int4 layers that VnniInt4 runs through the integer-activation GEMM on this CPU."""
+    return not (isinstance(fmt, Int4) and native.gemm_ready()
+                and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
+
+
 class VnniInt4(_IntegerActivations, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
     of 32 too (NativeInt4's own product needs 64). Past max_rows, where the CPU has it, the matrix-matrix
