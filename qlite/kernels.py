@@ -226,8 +226,8 @@ def dequantized_for_prefill(fmt, in_features: int) -> bool:
 class VnniInt4(_IntegerActivations, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
     of 32 too (NativeInt4's own product needs 64). Past max_rows, where the CPU has it, the matrix-matrix
-    product on integer activations (native.gemm_int4_product) instead of dequantize + matmul: 1.4-1.9x
-    a bf16 matmul that had nothing to dequantize at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes")."""
+    product on integer activations (native.gemm_int4_product) instead of dequantize + matmul: 1.7-3.6x
+    faster from 128 rows at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes")."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
 
