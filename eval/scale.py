@@ -5,13 +5,23 @@ shards written one at a time (memory: one shard), the demo model's tokenizer bes
 streaming quantize.
 
     python -m eval.scale write 7b DIR [--layers N]
+    python -m eval.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--dir WORK] [--markdown PATH]
+
+`measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
+(wall time and that child's own peak RSS, from wait4), and with --bench times the RTN checkpoint's load,
+prefill and decode (eval.bench's runner, a fresh process). llama.cpp's peers are converted by hand
+(BENCHMARKS.md says how) and timed with `eval.bench --gguf`.
 
 Random weights make the logits meaningless (speed and memory only; acceptance rates, KLD and the like
 need the real model)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +128,58 @@ def write_checkpoint(shape: Shape, out: Path, tokenizer_dir: Path, layers: int |
     return out
 
 
+RECIPES = {  # name: qlite quantize flags
+    "rtn": ["--bits", "4", "--group-size", "128", "--no-report"],
+    "q4": ["--preset", "q4", "--no-report"],  # the default: --target-bpw 4.5 from measured sensitivities
+    "gptq": ["--bits", "4", "--group-size", "128", "--method", "gptq", "--no-report"],
+    "report": ["--bits", "4", "--group-size", "128"],  # rtn and the fidelity report: the report's cost is the difference
+}
+
+
+def timed_child(cmd: list[str]) -> tuple[float, int, str]:
+    """Run cmd; (wall seconds, its own peak RSS in bytes, the last line of its stderr if it failed else '')."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = p.stderr.read()  # to its end; then wait4 reaps it with its own resource usage
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    failed = "" if p.returncode == 0 else ((err or "").strip().splitlines() or ["failed"])[-1]
+    return time.perf_counter() - t, usage.ru_maxrss * 1024, failed
+
+
+def quantize_row(shape: str, params: int, recipe: str, src: Path, extra: list[str]) -> dict:
+    out = src.with_name(f"{src.name}-{recipe}")
+    cmd = [sys.executable, "-m", "qlite", "quantize", str(src), "-o", str(out), "--force", *RECIPES[recipe], *extra]
+    seconds, peak, failed = timed_child(cmd)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors")) if not failed else 0
+    return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak,
+            "size": size, "out": str(out), "error": failed}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | parameters | recipe | seconds | s per B params | peak RSS MiB | output MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['recipe']} | failed: {r['error']} | | | |")
+            continue
+        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['recipe']} | {r['seconds']:.1f} | "
+                     f"{r['seconds'] / (r['params'] / 1e9):.1f} | {r['peak'] / 2**20:.0f} | {r['size'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def bench_table(rows: list[dict]) -> str:
+    lines = ["| shape | load s | prefill tok/s | decode tok/s | RSS above torch MiB |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | failed: {r['error']} | | | |")
+            continue
+        med = lambda key: sorted(run[key] for run in r["runs"])[len(r["runs"]) // 2]  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['load_s']:.2f} | {med('prefill_tps'):.1f} | {med('decode_tps'):.1f} | "
+                     f"{r['rss_above_torch'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
 @click.group()
 def main():
     """Random-weight checkpoints of real Qwen2.5 shapes."""
@@ -135,6 +197,49 @@ def write(shape, out, layers, tokenizer_from):
         raise click.ClickException(f"{tokenizer_from}: no tokenizer.json (run `qlite fetch-demo` first)")
     s = SHAPES[shape]
     click.echo(f"{shape}: {s.parameters(layers) / 1e9:.2f}B parameters -> {write_checkpoint(s, out, tokenizer_from, layers)}")
+
+
+@main.command()
+@click.argument("shapes", nargs=-1, required=True, type=click.Choice(list(SHAPES)))
+@click.option("--dir", "work", type=click.Path(path_type=Path, file_okay=False),
+              default=Path.home() / ".cache/qlite/scale", show_default=True, help="where the checkpoints go")
+@click.option("--layers", type=click.IntRange(min=1), help="only this many decoder layers per shape")
+@click.option("--recipes", default="rtn", show_default=True, help=f"comma-separated: {', '.join(RECIPES)}")
+@click.option("--quantize-args", default="", help="more qlite quantize flags for every recipe, e.g. '--nsamples 16'")
+@click.option("--bench", is_flag=True, help="also time load, prefill and decode of the rtn checkpoint")
+@click.option("--prompt-tokens", default=128, show_default=True)
+@click.option("--new-tokens", default=16, show_default=True)
+@click.option("--threads", default=os.cpu_count(), show_default=True)
+@click.option("--tokenizer-from", type=click.Path(path_type=Path, file_okay=False),
+              default=Path.home() / ".cache/qlite/qwen2.5-coder-0.5b-instruct", show_default=True)
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="also write the tables here")
+def measure(shapes, work, layers, recipes, quantize_args, bench, prompt_tokens, new_tokens, threads, tokenizer_from,
+            md_path):
+    """Quantize (and with --bench run) random-weight checkpoints of SHAPES; print the cost table."""
+    from eval.bench import measure as bench_one
+    recipes = [r for r in recipes.split(",") if r]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise click.ClickException(f"--recipes: unknown {', '.join(unknown)} (known: {', '.join(RECIPES)})")
+    if bench and "rtn" not in recipes:
+        raise click.ClickException("--bench times the rtn checkpoint: add rtn to --recipes")
+    rows, runs = [], []
+    for shape in shapes:
+        src = work / (f"r{shape}" + (f"-{layers}l" if layers else ""))
+        if not src.exists():
+            write_checkpoint(SHAPES[shape], src, tokenizer_from, layers)
+        params = SHAPES[shape].parameters(layers)
+        for recipe in recipes:
+            click.echo(f"{shape} {recipe}", err=True)
+            rows.append(quantize_row(shape, params, recipe, src, quantize_args.split()))
+            if bench and recipe == "rtn" and not rows[-1]["error"]:
+                runs.append({"shape": shape, **bench_one({"engine": "qlite", "path": rows[-1]["out"], "threads": threads,
+                                                         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                                                         "repeats": 2})})
+    text = table(rows) + ("\n\n" + bench_table(runs) if runs else "")
+    click.echo(text)
+    if md_path:
+        md_path.write_text(text + "\n")
 
 
 if __name__ == "__main__":

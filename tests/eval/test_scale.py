@@ -31,3 +31,22 @@ def test_a_one_layer_0_5b_checkpoint_loads_and_runs(tmp_path):
     assert logits.shape == (1, 3, 151936) and torch.isfinite(logits).all()
     again = CliRunner().invoke(main, ["write", "0.5b", str(out), "--layers", "1", "--tokenizer-from", str(tokenizer)])
     assert again.exit_code != 0 and "already exists" in again.output
+
+
+def test_measure_smoke_run_on_a_one_layer_0_5b_shape(tmp_path):
+    """The scale table's pipeline end to end: the checkpoint written once, quantized in a child (time, its own
+    peak RSS, the output's size), the result loaded and timed."""
+    tokenizer = make_checkpoint(tmp_path / "tiny")
+    args = ["measure", "0.5b", "--layers", "1", "--dir", str(tmp_path / "work"), "--recipes", "rtn", "--bench",
+            "--prompt-tokens", "8", "--new-tokens", "2", "--threads", "1", "--tokenizer-from", str(tokenizer),
+            "--markdown", str(tmp_path / "scale.md")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    quantized, timed = ([cell.strip() for cell in line.strip("|").split("|")]
+                        for line in r.output.splitlines() if line.startswith("| 0.5b"))
+    assert quantized[2] == "rtn" and float(quantized[3]) > 0 and 300 < float(quantized[5]) < 4000  # peak MiB
+    assert 0 < float(quantized[6]) < 2 * SHAPES["0.5b"].parameters(1) / 2**20  # quantized: under the bf16 size
+    assert float(timed[2]) > 0 and float(timed[3]) > 0  # prefill, decode tokens/s
+    assert (tmp_path / "scale.md").read_text().startswith("| shape |")
+    bad = CliRunner().invoke(main, ["measure", "0.5b", "--recipes", "rtn,awq", "--dir", str(tmp_path / "work")])
+    assert bad.exit_code != 0 and "--recipes: unknown awq" in bad.output
