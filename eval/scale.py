@@ -8,7 +8,7 @@ streaming quantize.
     python -m eval.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--dir WORK] [--markdown PATH]
 
 `measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
-(wall time and that child's own peak RSS, from wait4), and with --bench times the RTN checkpoint's load,
+(wall time and that child's own peak RSS, which it reports as it exits), and with --bench times the RTN checkpoint's load,
 prefill and decode (eval.bench's runner, a fresh process). llama.cpp's peers are converted by hand
 (BENCHMARKS.md says how) and timed with `eval.bench --gguf`.
 
@@ -28,6 +28,8 @@ from pathlib import Path
 import click
 import torch
 from safetensors.torch import save_file
+
+from eval.fit_check import REPORTING_QLITE
 
 
 SHARD_BYTES = 2 * 2**30
@@ -136,21 +138,22 @@ RECIPES = {  # name: qlite quantize flags
 }
 
 
-def timed_child(cmd: list[str]) -> tuple[float, int, str]:
-    """Run cmd; (wall seconds, its own peak RSS in bytes, the last line of its stderr if it failed else '')."""
+def timed_qlite(args: list[str]) -> tuple[float, int, str]:
+    """Run `qlite ARGS` in a fresh process: (wall seconds, its own peak RSS in bytes as it reads it at exit
+    (a child's ru_maxrss would count this process's RSS at the fork), the last line of its stderr if it
+    failed, else '')."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = p.stderr.read()  # to its end; then wait4 reaps it with its own resource usage
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    failed = "" if p.returncode == 0 else ((err or "").strip().splitlines() or ["failed"])[-1]
-    return time.perf_counter() - t, usage.ru_maxrss * 1024, failed
+    run = subprocess.run([sys.executable, "-c", REPORTING_QLITE, *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    seconds, err = time.perf_counter() - t, run.stderr
+    if run.returncode:
+        return seconds, 0, (err.strip().splitlines() or ["failed"])[-1]
+    return seconds, int(err.rsplit("qlite-peak-rss ", 1)[1].split()[0]), ""
 
 
 def quantize_row(shape: str, params: int, recipe: str, src: Path, extra: list[str]) -> dict:
     out = src.with_name(f"{src.name}-{recipe}")
-    cmd = [sys.executable, "-m", "qlite", "quantize", str(src), "-o", str(out), "--force", *RECIPES[recipe], *extra]
-    seconds, peak, failed = timed_child(cmd)
+    seconds, peak, failed = timed_qlite(["quantize", str(src), "-o", str(out), "--force", *RECIPES[recipe], *extra])
     size = sum(f.stat().st_size for f in out.glob("*.safetensors")) if not failed else 0
     return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak,
             "size": size, "out": str(out), "error": failed}
