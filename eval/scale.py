@@ -5,12 +5,15 @@ shards written one at a time (memory: one shard), the demo model's tokenizer bes
 streaming quantize.
 
     python -m eval.scale write 7b DIR [--layers N]
-    python -m eval.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--dir WORK] [--markdown PATH]
+    python -m eval.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--llama-cpp SRC]
+                                         [--dir WORK] [--markdown PATH] [--plot PNG]
 
 `measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
-(wall time and that child's own peak RSS, which it reports as it exits), and with --bench times the RTN checkpoint's load,
-prefill and decode (eval.bench's runner, a fresh process). llama.cpp's peers are converted by hand
-(BENCHMARKS.md says how) and timed with `eval.bench --gguf`.
+(wall time and the child's peak RSS), and with --bench times the RTN checkpoint's load, prefill and decode
+(eval.bench's runner, a fresh process). With --llama-cpp SRC (a llama.cpp source tree with its tools built
+in SRC/build/bin, e.g. the one vendored in llama-cpp-python's sdist), the same checkpoint is converted by
+llama.cpp's own convert_hf_to_gguf.py (f16) and llama-quantize (Q4_0, Q8_0), timed the same way, and with
+--bench run in the same run. --plot draws seconds and peak RSS against parameters (matplotlib).
 
 Random weights make the logits meaningless (speed and memory only; acceptance rates, KLD and the like
 need the real model)."""
@@ -28,8 +31,6 @@ from pathlib import Path
 import click
 import torch
 from safetensors.torch import save_file
-
-from eval.fit_check import REPORTING_QLITE
 
 
 SHARD_BYTES = 2 * 2**30
@@ -130,7 +131,7 @@ def write_checkpoint(shape: Shape, out: Path, tokenizer_dir: Path, layers: int |
     return out
 
 
-RECIPES = {  # name: qlite quantize flags
+RECIPES = {  # name: qlite quantize flags (llama.cpp's rows: LLAMA_TYPES)
     "rtn": ["--bits", "4", "--group-size", "128", "--no-report"],
     "q4": ["--preset", "q4", "--no-report"],  # the default: --target-bpw 4.5 from measured sensitivities
     "gptq": ["--bits", "4", "--group-size", "128", "--method", "gptq", "--no-report"],
@@ -138,25 +139,55 @@ RECIPES = {  # name: qlite quantize flags
 }
 
 
-def timed_qlite(args: list[str]) -> tuple[float, int, str]:
-    """Run `qlite ARGS` in a fresh process: (wall seconds, its own peak RSS in bytes as it reads it at exit
-    (a child's ru_maxrss would count this process's RSS at the fork), the last line of its stderr if it
-    failed, else '')."""
+LLAMA_TYPES = ("Q4_0", "Q8_0")  # llama-quantize's types, from the f16 GGUF its converter writes
+
+# Runs a command and reports its peak RSS: a small Python between this process and the command, because a
+# child's ru_maxrss counts the RSS of the process it was forked from (this one holds torch; the shim does not)
+PEAK_RSS_SHIM = ("import resource, subprocess, sys\n"
+                 "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
+                 "sys.stderr.write(f'\\npeak-rss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}\\n')\n"
+                 "sys.exit(rc)")
+
+
+def timed(argv: list[str], env: dict | None = None) -> tuple[float, int, str]:
+    """Run argv in a fresh process: (wall seconds, its peak RSS in bytes, the last line of its stderr if
+    it failed, else '')."""
     t = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", REPORTING_QLITE, *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    run = subprocess.run([sys.executable, "-c", PEAK_RSS_SHIM, *argv], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     seconds, err = time.perf_counter() - t, run.stderr
     if run.returncode:
-        return seconds, 0, (err.strip().splitlines() or ["failed"])[-1]
-    return seconds, int(err.rsplit("qlite-peak-rss ", 1)[1].split()[0]), ""
+        return seconds, 0, (err.rsplit("\npeak-rss", 1)[0].strip().splitlines() or ["failed"])[-1]
+    return seconds, int(err.rsplit("peak-rss ", 1)[1].split()[0]), ""
+
+
+def row(shape: str, params: int, recipe: str, out: Path, argv: list[str], env: dict | None = None) -> dict:
+    seconds, peak, failed = timed(argv, env)
+    files = [out] if out.is_file() else list(out.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files) if not failed else 0
+    return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak,
+            "size": size, "out": str(out), "error": failed}
 
 
 def quantize_row(shape: str, params: int, recipe: str, src: Path, extra: list[str]) -> dict:
     out = src.with_name(f"{src.name}-{recipe}")
-    seconds, peak, failed = timed_qlite(["quantize", str(src), "-o", str(out), "--force", *RECIPES[recipe], *extra])
-    size = sum(f.stat().st_size for f in out.glob("*.safetensors")) if not failed else 0
-    return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak,
-            "size": size, "out": str(out), "error": failed}
+    return row(shape, params, recipe, out, [sys.executable, "-m", "qlite", "quantize", str(src), "-o", str(out),
+                                            "--force", *RECIPES[recipe], *extra])
+
+
+def llama_cpp_rows(shape: str, params: int, src: Path, llama: Path, threads: int) -> list[dict]:
+    """llama.cpp's own conversion of src: f16 GGUF (its converter), then each of LLAMA_TYPES (its quantizer);
+    the f16 file is deleted once quantized (15 GB at 7B)."""
+    f16 = src.with_name(f"{src.name}-f16.gguf")
+    rows = [row(shape, params, "llama.cpp convert f16", f16,
+                [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(src), "--outtype", "f16", "--outfile", str(f16)],
+                {"PYTHONPATH": str(llama / "gguf-py")})]
+    for kind in LLAMA_TYPES if not rows[0]["error"] else ():
+        out = src.with_name(f"{src.name}-{kind.lower()}.gguf")
+        rows.append(row(shape, params, f"llama.cpp {kind}", out,
+                        [str(llama / "build/bin/llama-quantize"), str(f16), str(out), kind, str(threads)]))
+    f16.unlink(missing_ok=True)
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -172,15 +203,38 @@ def table(rows: list[dict]) -> str:
 
 
 def bench_table(rows: list[dict]) -> str:
-    lines = ["| shape | load s | prefill tok/s | decode tok/s | RSS above torch MiB |", "|---|---|---|---|---|"]
+    lines = ["| shape | model | load s | prefill tok/s | decode tok/s | RSS above the engine MiB |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['shape']} | {r['model']} | failed: {r['error']} | | | |")
             continue
         med = lambda key: sorted(run[key] for run in r["runs"])[len(r["runs"]) // 2]  # noqa: E731
-        lines.append(f"| {r['shape']} | {r['load_s']:.2f} | {med('prefill_tps'):.1f} | {med('decode_tps'):.1f} | "
-                     f"{r['rss_above_torch'] / 2**20:.0f} |")
+        lines.append(f"| {r['shape']} | {r['model']} | {r['load_s']:.2f} | {med('prefill_tps'):.1f} | "
+                     f"{med('decode_tps'):.1f} | {r['rss_above_torch'] / 2**20:.0f} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Seconds and peak RSS of each recipe against parameters, log-log."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise click.ClickException("--plot: needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        done = [r for r in rows if r["recipe"] == recipe and not r["error"]]
+        for ax, key, scale in ((axes[0], "seconds", 1), (axes[1], "peak", 2**-20)):
+            ax.plot([r["params"] / 1e9 for r in done], [r[key] * scale for r in done], "o-", label=recipe)
+    for ax, label in zip(axes, ("quantize wall seconds", "peak RSS, MiB")):
+        ax.set(xscale="log", yscale="log", xlabel="parameters, billions", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 @click.group()
@@ -209,15 +263,18 @@ def write(shape, out, layers, tokenizer_from):
 @click.option("--layers", type=click.IntRange(min=1), help="only this many decoder layers per shape")
 @click.option("--recipes", default="rtn", show_default=True, help=f"comma-separated: {', '.join(RECIPES)}")
 @click.option("--quantize-args", default="", help="more qlite quantize flags for every recipe, e.g. '--nsamples 16'")
-@click.option("--bench", is_flag=True, help="also time load, prefill and decode of the rtn checkpoint")
+@click.option("--bench", is_flag=True, help="also time load, prefill and decode of the rtn checkpoint (and llama.cpp's)")
+@click.option("--llama-cpp", "llama", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="llama.cpp source tree, tools built in build/bin: also convert with it, Q4_0 and Q8_0")
 @click.option("--prompt-tokens", default=128, show_default=True)
 @click.option("--new-tokens", default=16, show_default=True)
 @click.option("--threads", default=os.cpu_count(), show_default=True)
 @click.option("--tokenizer-from", type=click.Path(path_type=Path, file_okay=False),
               default=Path.home() / ".cache/qlite/qwen2.5-coder-0.5b-instruct", show_default=True)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="also write the tables here")
-def measure(shapes, work, layers, recipes, quantize_args, bench, prompt_tokens, new_tokens, threads, tokenizer_from,
-            md_path):
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw the cost table here (PNG)")
+def measure(shapes, work, layers, recipes, quantize_args, bench, llama, prompt_tokens, new_tokens, threads,
+            tokenizer_from, md_path, plot_path):
     """Quantize (and with --bench run) random-weight checkpoints of SHAPES; print the cost table."""
     from eval.bench import measure as bench_one
     recipes = [r for r in recipes.split(",") if r]
@@ -226,7 +283,15 @@ def measure(shapes, work, layers, recipes, quantize_args, bench, prompt_tokens, 
         raise click.ClickException(f"--recipes: unknown {', '.join(unknown)} (known: {', '.join(RECIPES)})")
     if bench and "rtn" not in recipes:
         raise click.ClickException("--bench times the rtn checkpoint: add rtn to --recipes")
+    if llama and not all((llama / tool).exists() for tool in ("convert_hf_to_gguf.py", "build/bin/llama-quantize")):
+        raise click.ClickException(f"--llama-cpp {llama}: needs convert_hf_to_gguf.py and build/bin/llama-quantize")
     rows, runs = [], []
+
+    def run(model: str, spec: dict) -> None:
+        runs.append({"shape": shape, "model": model, **bench_one({**spec, "threads": threads, "repeats": 2,
+                                                                  "prompt_tokens": prompt_tokens,
+                                                                  "new_tokens": new_tokens})})
+
     for shape in shapes:
         src = work / (f"r{shape}" + (f"-{layers}l" if layers else ""))
         if not src.exists():
@@ -236,13 +301,19 @@ def measure(shapes, work, layers, recipes, quantize_args, bench, prompt_tokens, 
             click.echo(f"{shape} {recipe}", err=True)
             rows.append(quantize_row(shape, params, recipe, src, quantize_args.split()))
             if bench and recipe == "rtn" and not rows[-1]["error"]:
-                runs.append({"shape": shape, **bench_one({"engine": "qlite", "path": rows[-1]["out"], "threads": threads,
-                                                         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-                                                         "repeats": 2})})
+                run("qlite int4-g128", {"engine": "qlite", "path": rows[-1]["out"]})
+        if llama:
+            click.echo(f"{shape} llama.cpp", err=True)
+            rows += llama_cpp_rows(shape, params, src, llama, threads)
+            for r in rows[-len(LLAMA_TYPES):] if bench else ():
+                if r["recipe"] != "llama.cpp convert f16" and not r["error"]:
+                    run(r["recipe"], {"engine": "llama.cpp", "path": r["out"]})
     text = table(rows) + ("\n\n" + bench_table(runs) if runs else "")
     click.echo(text)
     if md_path:
         md_path.write_text(text + "\n")
+    if plot_path:
+        plot(rows, plot_path)
 
 
 if __name__ == "__main__":

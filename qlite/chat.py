@@ -20,6 +20,7 @@ class Conversation:
     context: int  # tokens the prompt and the reply may take together
     system: str | None = None
     turns: list[dict] = field(default_factory=list)  # user/assistant messages, oldest first
+    speculation: object = None  # a speculate.Speculation, or None
 
     def messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
@@ -51,7 +52,7 @@ class Conversation:
         room = min(self.params.max_new_tokens, self.context - len(ids))
         pieces = []
         for piece in stream_text(self.lm.model, self.lm.tokenizer, ids, replace(self.params, max_new_tokens=room),
-                                 self.lm.eos_ids):
+                                 self.lm.eos_ids, speculation=self.speculation):
             pieces.append(piece)
             write(piece)
         answer = "".join(pieces)

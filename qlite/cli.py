@@ -140,6 +140,21 @@ def sampling_options(command):
     return command
 
 
+def speculate_options(command):
+    """--speculate and --draft-tokens, which generate and chat share."""
+    command = click.option("--draft-tokens", type=int, default=7, show_default=True,
+                           help="--speculate: at most this many proposals a forward (1-7; fewer while they are "
+                                "rejected)")(command)
+    return click.option("--speculate", metavar="lookup",
+                        help="speculative decoding, the same output in fewer forwards: lookup proposes what "
+                             "followed the last few tokens where they occurred before (prompt lookup)")(command)
+
+
+def speculation_for(speculate: str | None, model, draft_tokens: int):
+    from .speculate import Speculation
+    return Speculation.named(speculate, model, draft_tokens) if speculate is not None else None
+
+
 def read_prompt(prompt: str | None) -> str:
     if prompt is not None:
         try:
@@ -173,9 +188,10 @@ def read_prompt(prompt: str | None) -> str:
               help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @kv_cache_option
+@speculate_options
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-             max_new_tokens, stop, dtype, device, kernel, threads, kv_cache, stats):
+             max_new_tokens, stop, dtype, device, kernel, threads, kv_cache, speculate, draft_tokens, stats):
     """Generate text from a prompt, streamed to stdout."""
     from .pipeline import load
 
@@ -192,15 +208,19 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
                        repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
     from .decode import stream_text
+    speculation = speculation_for(speculate, lm.model, draft_tokens)
     generated = []
     t1 = time.perf_counter()
-    for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append):
+    for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append,
+                             speculation=speculation):
         click.echo(piece, nl=False)
     click.echo()
     if stats:
         dt = time.perf_counter() - t1
         click.echo(f"load {load_s:.1f} s, prompt {len(ids)} tokens, {len(generated)} tokens generated in "
                    f"{dt:.1f} s ({len(generated) / dt:.1f} tokens/s, prefill included)", err=True)
+        if speculation is not None:
+            click.echo(str(speculation.stats), err=True)
 
 
 @cli.command()
@@ -213,8 +233,9 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True)
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @kv_cache_option
+@speculate_options
 def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, ctx, dtype,
-         kernel, threads, kv_cache):
+         kernel, threads, kv_cache, speculate, draft_tokens):
     """Chat in the terminal: replies stream as they are generated, the history stays in the context
     (oldest turns dropped, with a notice, when it fills); /reset clears it, /exit leaves."""
     from .chat import Conversation, run_chat
@@ -237,7 +258,7 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 
     import io  # lines as UTF-8, bytes that are not held as surrogates: run_chat skips such a line, not the session
     stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape") if sys.stdin else sys.stdin
-    run_chat(Conversation(lm, params, context, system), stdin, out, lambda m: click.echo(m, nl=False, err=True),
+    run_chat(Conversation(lm, params, context, system, speculation=speculation_for(speculate, lm.model, draft_tokens)), stdin, out, lambda m: click.echo(m, nl=False, err=True),
              interactive)
 
 

@@ -265,11 +265,14 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
 
 
 def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids,
-                on_token=None) -> Iterator[str]:
+                on_token=None, speculation=None) -> Iterator[str]:
     """Yield the completion's text as it is generated, ending before any eos or stop string.
-    on_token, if given, is called with each generated token id (for counting)."""
+    on_token, if given, is called with each generated token id (for counting). speculation: a
+    speculate.Speculation (the same text, fewer forwards)."""
     seq = Sequence(prompt_ids, params, eos_ids, tokenizer, model.device, model.config.vocab_size)
-    for [(token, events)] in decode_batch(model, [prompt_ids], [seq]):
+    steps = (((token, events) for [(token, events)] in decode_batch(model, [prompt_ids], [seq]))
+             if speculation is None else speculation.decode(model, prompt_ids, seq))
+    for token, events in steps:
         if on_token is not None:
             on_token(token)
         yield from (e.text for e in events if isinstance(e, Text))

@@ -69,13 +69,20 @@ def make_linear(cfg: Qwen2Config, prefix: str, in_features: int, parts: dict[str
 class Step:
     """What every layer of one forward shares: rotary cos/sin (float32, (B, 1, T, head_dim)), the KV
     cache (None: no cache), the attention mask (None: plain causal), where the new tokens start, and
-    for one new token per row of a padded batch, where each row's keys start (`key_starts`)."""
+    for one new token per row of a padded batch, where each row's keys start (`key_starts`).
+    one_at_a_time: each new token's attention as a one-token step computes it (Qwen2ForCausalLM.forward's
+    `exact`)."""
     cos: torch.Tensor
     sin: torch.Tensor
     cache: "KVCache | None"
     mask: torch.Tensor | None
     start: int
     key_starts: torch.Tensor | None = None
+    one_at_a_time: bool = False
+
+    def token(self, t: int) -> "Step":
+        """The step of new token t alone (unpadded rows: no mask)."""
+        return Step(self.cos[:, :, t:t + 1], self.sin[:, :, t:t + 1], self.cache, None, self.start + t)
 
 
 class TorchOps:
@@ -105,7 +112,7 @@ class TorchOps:
         cos, sin = step.cos.to(q.dtype), step.sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step.cache is not None:
-            k, v = step.cache.update(attn.layer_idx, k, v)  # (B, n_kv, start + T, head_dim)
+            k, v = step.cache.update(attn.layer_idx, k, v, step.start)  # (B, n_kv, start + T, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None and T > 1,
                                            enable_gqa=n_kv != n_head)
         return y.transpose(1, 2).reshape(B, T, n_head * hd)  # (B, T, hidden)
@@ -191,18 +198,19 @@ class KVCache:
             setattr(self, name, new)
             del old
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, n_kv, T, head_dim) after the cached tokens; return all of them (B, n_kv, length + T, hd),
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, n_kv, T, head_dim) at start..start+T (the forward's new tokens: start is where
+        it began, or one token of it); return the keys and values up to there (B, n_kv, start + T, hd),
         as stored (a quantized cache's decoded)."""
-        end = self.length + k.shape[2]
+        end = start + k.shape[2]
         if self.kv_bits == 16:
-            self.k[layer][:, :, self.length:end] = k
-            self.v[layer][:, :, self.length:end] = v
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
             return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
         offset = None if self.k_offset is None else self.k_offset[layer]  # (n_kv, head_dim)
-        self.k[layer][:, :, self.length:end] = kv_quant.encode(k.float() - (0 if offset is None else offset[:, None]),
-                                                               self.kv_bits)
-        self.v[layer][:, :, self.length:end] = kv_quant.encode(v, self.kv_bits)
+        self.k[layer][:, :, start:end] = kv_quant.encode(k.float() - (0 if offset is None else offset[:, None]),
+                                                         self.kv_bits)
+        self.v[layer][:, :, start:end] = kv_quant.encode(v, self.kv_bits)
         return (kv_quant.decode_heads(self.k[layer][:, :, :end], self.kv_bits, self.head_dim, k.dtype, offset),
                 kv_quant.decode_heads(self.v[layer][:, :, :end], self.kv_bits, self.head_dim, v.dtype))
 
@@ -237,7 +245,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if hasattr(self, "q_norm"):
             qkv = self.normed_heads(qkv)
-        return self.o_proj(self.ops.attention(qkv, step, self))
+        if step.one_at_a_time and qkv.shape[1] > 1:
+            y = torch.cat([self.ops.attention(qkv[:, t:t + 1], step.token(t), self) for t in range(qkv.shape[1])], 1)
+        else:
+            y = self.ops.attention(qkv, step, self)
+        return self.o_proj(y)
 
     def key_bias(self) -> torch.Tensor | None:
         """k_proj's bias (n_kv * head_dim,), or None."""
@@ -381,31 +393,41 @@ class Qwen2ForCausalLM(nn.Module):
         return apply_rope(b, cos[0], sin[0]).mean(dim=2).contiguous()  # (layers, n_kv, head_dim)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                key_mask: torch.Tensor | None = None, last_only: bool = False, exact: bool = False) -> torch.Tensor:
         """Logits (B, T or 1, vocab) for input_ids (B, T), appended to `cache` if given (then in
         forwards of at most prefill_chunk tokens). key_mask (B, cache.length + T), True for real tokens,
-        is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1."""
+        is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1.
+        exact (unpadded rows, a cache, T <= native.MAX_ROWS): every logit bitwise what T one-token forwards
+        give, where the products are row-exact (the native ones): rotary angles and attention token by
+        token, as a step computes them; the products over all T rows at once (speculative decoding's
+        verify pass, speculate.py)."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if cache is not None:
             cache.reserve(start + T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        cos, sin = self.model.rotary(positions)  # (B, 1, T, head_dim): all at once, as one forward has them
+        if exact:
+            if cache is None or key_mask is not None or T > self.prefill_chunk:
+                raise ValueError("exact: unpadded rows appended to a cache, in one chunk")
+            angles = [self.model.rotary(positions[:, t:t + 1]) for t in range(T)]  # each as its step has it
+            cos, sin = torch.cat([c for c, _ in angles], 2), torch.cat([s for _, s in angles], 2)
+        else:
+            cos, sin = self.model.rotary(positions)  # (B, 1, T, head_dim): all at once, as one forward has them
         chunk, kept = T if cache is None else self.prefill_chunk, []
         for a in range(0, T, chunk):
             x = self.hidden_states(input_ids[:, a:a + chunk], cos[:, :, a:a + chunk], sin[:, :, a:a + chunk], cache,
-                                   None if key_mask is None else key_mask[:, :start + a + chunk])  # (B, chunk, hidden)
+                                   None if key_mask is None else key_mask[:, :start + a + chunk], exact)  # (B, chunk, hidden)
             kept += [] if last_only else [x]
         x = x[:, -1:] if last_only else torch.cat(kept, dim=1)  # (B, T or 1, hidden)
         return self.lm_head(self.model.norm(x))
 
     def hidden_states(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                      key_mask: torch.Tensor | None) -> torch.Tensor:
+                      key_mask: torch.Tensor | None, one_at_a_time: bool = False) -> torch.Tensor:
         """The decoder layers' output (B, T, hidden) for input_ids (B, T) after the cache's tokens."""
         T, start = input_ids.shape[1], cache.length if cache is not None else 0
         step = Step(cos, sin, cache, attention_mask(T, start, key_mask, input_ids.device), start,
-                    key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None)
+                    key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None, one_at_a_time)
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
         fused = self.model.fused_layers
         if fused is not None and fused.takes(x, step):

@@ -82,12 +82,17 @@ class TextModel:
         given = {k: v for k, v in overrides.items() if v is not None}
         return replace(SamplingParams(), **{**self.defaults, **given})
 
-    def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
+               speculate: str | None = None, draft_tokens: int = 7, **sampling) -> Iterator[str]:
+        """speculate: "lookup" for speculative decoding (speculate.py: the same text, fewer forwards)."""
+        from .speculate import Speculation
         ids = self.prompt_ids(prompt, chat, system)
-        return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids)
+        speculation = Speculation.named(speculate, self.model, draft_tokens) if speculate is not None else None
+        return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids, speculation=speculation)
 
-    def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None, **sampling) -> str:
-        return "".join(self.stream(prompt, chat, system, **sampling))
+    def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
+                 speculate: str | None = None, draft_tokens: int = 7, **sampling) -> str:
+        return "".join(self.stream(prompt, chat, system, speculate, draft_tokens, **sampling))
 
 
 ROLES = ("system", "user", "assistant")

@@ -39,7 +39,7 @@ from qlite.outputs import atomic_output_dir
 from qlite.qconfig import EMBEDDINGS, QuantConfig
 from .convert import Summary, convert, plan_conversion, source_and_output
 from .knapsack import choose
-from .report import can_measure
+from .report import Reference, can_measure, reference
 from .sensitivity import SAMPLES, SEQLEN, WINDOWS, Unit, calibration_windows, sensitivities, units
 
 TRIALS = 5  # --target-kld: checkpoints written and measured at most
@@ -133,12 +133,16 @@ class Mixer:
     def largest_bytes(self) -> int:
         return sum(max(b for b, _ in o) for o in self.table()[1])
 
-    def measure(self, windows: int, seqlen: int, samples: int, progress: bool) -> None:
+    def measure(self, windows: int, seqlen: int, samples: int, progress: bool, report: bool = True) -> Reference | None:
+        """The sensitivities; and with `report`, the report's reference from the same forward pass."""
         ids = calibration_windows(self.src, windows, seqlen)
         candidates = {u: [f for f, _ in o if f is not None] for u, o in self.options.items()}
-        measured = sensitivities(self.src, candidates, ids, samples, progress=progress)
+        ref = reference(self.src) if report else None
+        measured = sensitivities(self.src, candidates, ids, samples, progress=progress,
+                                 riders=(ref.windows,) if ref else ())
         self.costs = {u: [0.0 if f is None else measured[u][candidates[u].index(f)] for f, _ in o]
                       for u, o in self.options.items()}
+        return ref.finish(self.src) if ref else None
 
     def mix(self, budget: int, max_seconds: float | None = None) -> tuple[dict[str, Format | None], float] | None:
         """The least-KLD mix within `budget` bytes of units (and, given max_seconds, an estimated decode
@@ -276,7 +280,7 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     if max_seconds is not None and mixer.mix(budget, max_seconds) is None:
         raise QliteError(f"--no-slower-than {no_slower_than}: no mix within --target-bpw {target_bpw:g} decodes as fast "
                          f"(estimated)")
-    mixer.measure(windows, seqlen, samples, progress)
+    ref = mixer.measure(windows, seqlen, samples, progress, report)
     formats, predicted = mixer.mix(budget, max_seconds)
     recorded = {**settings, "predicted_kld": round(predicted, 6)}
     if max_seconds is not None:
@@ -288,7 +292,7 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     qconfig = mixer.qconfig(formats, recorded, method)
     if mixer.bits(qconfig) > target_bpw:  # the arithmetic above must agree with the writer's plan
         raise AssertionError(f"the mix takes {mixer.bits(qconfig)} bits per parameter, over --target-bpw {target_bpw}")
-    writing = dict(force=force, max_shard_bytes=max_shard_bytes, progress=progress, report=report)
+    writing = dict(force=force, max_shard_bytes=max_shard_bytes, progress=progress, report=report, ref=ref)
     if method != "rtn":
         from .calibrate import calibrated_convert
         summary = calibrated_convert(mixer.src.path, out, qconfig, method=method, **calibration, **writing)
@@ -314,7 +318,7 @@ def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: f
     t0 = time.perf_counter()
     settings = {"target_kld": target_kld, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
     mixer, out = prepare(src, out, settings, skip, force, "--target-kld")
-    mixer.measure(windows, seqlen, samples, progress)
+    ref = mixer.measure(windows, seqlen, samples, progress)  # every trial is measured against it
     hi = mixer.largest_bytes()
 
     def smallest_budget(aim: float) -> int:  # the fewest bytes whose mix's estimate is at most `aim`
@@ -335,7 +339,7 @@ def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: f
             formats, predicted = mixer.mix(budget)
             qconfig = mixer.qconfig(formats, {**settings, "predicted_kld": round(predicted, 6)})
             summary = convert(mixer.src.path, tmp / f"trial{trial}", qconfig, max_shard_bytes=max_shard_bytes,
-                              progress=False)
+                              progress=False, ref=ref)
             tried[budget] = measured = worst_kld(summary)
             if progress:
                 print(f"trial {trial + 1}: {summary.bits_per_parameter:.3f} bits per parameter, KLD {measured:.5f} "

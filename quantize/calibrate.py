@@ -1,18 +1,18 @@
 """The calibrated methods over a whole checkpoint, one decoder layer at a time, in bounded memory:
 GPTQ (quantize/gptq.py), and act-rtn, round to nearest on activation-aware grids (quantize/act_grid.py).
 
-Calibration token windows go through the embedding; then for each layer: load its weights alone,
-run the current activations through it while hooks accumulate each linear's Hessian (the fused
-q/k/v and gate/up projections read one input each, so one Hessian serves their parts), quantize each
-part (GPTQ or act-rtn), put the dequantized weights back, and run the activations through again: the
-quantized layer's outputs are the next layer's inputs. lm_head is quantized last, on the final-norm
-outputs. Only one layer and the activations are in memory; the result is written by the streaming
-converter's writer in the same format as RTN.
+Calibration token windows go through the embedding; then for each layer (read once, in a pass over
+the source that the report's reference rides: quantize/source_pass.py): run the current activations
+through it while hooks accumulate each linear's Hessian (the fused q/k/v and gate/up projections read
+one input each, so one Hessian serves their parts), quantize each part (GPTQ or act-rtn), put the
+dequantized weights back, and run the activations through again: the quantized layer's outputs are the
+next layer's inputs. lm_head is quantized last, on the final-norm outputs. Only one layer and the
+activations are in memory; the result is written by the streaming converter's writer in the same
+format as RTN.
 
 Built-in calibration text: qlite/texts.py (half code, half prose; disjoint from the eval text)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -20,14 +20,15 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.memory import PeakAnonSampler, available_bytes
-from qlite.loader import float_layer
-from qlite.model import Linear, RMSNorm, Rotary, Step, linear_parts
+from qlite.model import Linear, linear_parts
 from qlite.qconfig import DAMP, QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
+from quantize.report import can_measure, reference
 from quantize.convert import Summary, plan_conversion, source_and_output, write_quantized
 from quantize.act_grid import act_quantize
 from quantize.gptq import gptq_linear, hessian_update
+from quantize.source_pass import Windows, embedded, final_norm, head_weight, source_pass
 
 BATCH = 4  # calibration windows per forward
 
@@ -69,28 +70,17 @@ def calibration_ids(tokenizer: Tokenizer, source: str, nsamples: int, seqlen: in
     return torch.tensor(rows)
 
 
-def run_batched(fn, x: torch.Tensor, in_place: bool = False) -> None:
-    """fn over the windows of x, BATCH at a time; in_place: each batch's output replaces its input
-    (windows are independent), so the activations are never held twice."""
-    for i in range(0, x.shape[0], BATCH):
-        y = fn(x[i:i + BATCH])
-        if in_place:
-            x[i:i + BATCH] = y
-
-
 METHODS = ("gptq", "act-rtn")
 
 
 @torch.inference_mode()
 def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, calib: str, nsamples: int, seqlen: int,
-                       act_order: bool, damp: float, progress: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    """The stored tensors of every linear the config quantizes, by `method` (gptq, act-rtn), by module name."""
-    from tqdm import tqdm
-
-    cfg = dataclasses.replace(src.config, quantization=None)  # the float layers the methods work on
-    ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen, cfg.hidden_size)  # (n, seqlen)
-    x = torch.nn.functional.embedding(ids, src.read("model.embed_tokens.weight").float())  # (n, seqlen, hidden)
-    step = Step(*Rotary(cfg)(torch.arange(seqlen)[None]), None, None, 0)
+                       act_order: bool, damp: float, progress: bool = True, riders: tuple[Windows, ...] = ()
+                       ) -> dict[str, dict[str, torch.Tensor]]:
+    """The stored tensors of every linear the config quantizes, by `method` (gptq, act-rtn), by module
+    name; `riders` go through each float layer on the way (source_pass)."""
+    ids = calibration_ids(Tokenizer(src.path), calib, nsamples, seqlen, src.config.hidden_size)  # (n, seqlen)
+    calib_windows = embedded(src, ids, batch=BATCH)
     out: dict[str, dict[str, torch.Tensor]] = {}
 
     def quantize_linear(name: str, linear: torch.nn.Linear, hessian: torch.Tensor, update: bool = True) -> None:
@@ -106,26 +96,24 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
             if update:
                 weight.copy_(fmt.dequantize(out[module], linear.in_features))
 
-    for i in tqdm(range(cfg.num_hidden_layers), desc=method, unit="layer", disable=not progress):
-        prefix = f"model.layers.{i}."
-        layer = float_layer(src, cfg, i)
+    def calibrate(i: int, layer) -> None:  # Hessians of the float layer's inputs; quantize; run the quantized one
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, Linear)}
         hessians = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
         hooks = [m.register_forward_hook(lambda m, inp, _, n=n: hessian_update(hessians[n], inp[0]))
                  for n, m in linears.items()]
-        run_batched(lambda xb: layer(xb, step), x)
+        for b in range(0, nsamples, BATCH):
+            layer(calib_windows.x[b:b + BATCH], calib_windows.step)
         for h in hooks:
             h.remove()
         for n, m in linears.items():
-            quantize_linear(prefix + n, m, hessians.pop(n))
-        run_batched(lambda xb: layer(xb, step), x, in_place=True)  # the quantized layer's outputs
+            quantize_linear(f"model.layers.{i}.{n}", m, hessians.pop(n))
+        calib_windows.through(layer)  # the quantized layer's outputs: the next layer's inputs
 
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    norm.weight.copy_(src.read("model.norm.weight").float())
-    x = norm(x)
+    source_pass(src, list(riders), after=calibrate, progress=progress, desc=method)
+    cfg = src.config
+    x, calib_windows.x = final_norm(src)(calib_windows.x), None
     head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    head.weight = torch.nn.Parameter(src.read("model.embed_tokens.weight" if cfg.tie_word_embeddings
-                                              else "lm_head.weight").float(), requires_grad=False)
+    head.weight = torch.nn.Parameter(head_weight(src).float(), requires_grad=False)
     hessian = torch.zeros(cfg.hidden_size, cfg.hidden_size)
     hessian_update(hessian, x)
     del x
@@ -141,9 +129,11 @@ def calibration_params(calib: str, nsamples: int, seqlen: int, act_order: bool, 
 def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, method: str = "gptq",
                        calib: str = "builtin", nsamples: int = 128, seqlen: int = 512, act_order: bool = False,
                        damp: float = DAMP, force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
-                       report: bool = True, **options) -> Summary:
+                       report: bool = True, ref=None, **options) -> Summary:
     """Quantize a checkpoint dir with GPTQ or act-rtn (`method`; formats from `qconfig` or
-    QuantConfig.from_options(**options), as for convert); returns the converter's Summary."""
+    QuantConfig.from_options(**options), as for convert); returns the converter's Summary. ref: the
+    report's reference (quantize/report.py), finished, if a pass over the source already made it; else
+    it rides the calibration's pass."""
     if method not in METHODS:
         raise ValueError(f"calibrated method {method!r}: one of {METHODS}")
     if act_order and method != "gptq":
@@ -163,8 +153,11 @@ def calibrated_convert(src, out=None, qconfig: QuantConfig | None = None, *, met
     if seqlen > src.config.max_position_embeddings:
         raise QliteError(f"--seqlen {seqlen}: longer than the model's context {src.config.max_position_embeddings}")
     with PeakAnonSampler() as mem:
-        weights = calibrated_weights(plan.src, qconfig, method, calib, nsamples, seqlen, act_order, damp, progress)
+        own_ref = ref is None and report and can_measure(plan.src)
+        ref = reference(plan.src) if own_ref else ref
+        weights = calibrated_weights(plan.src, qconfig, method, calib, nsamples, seqlen, act_order, damp, progress,
+                                     (ref.windows,) if own_ref else ())
         written = write_quantized(plan, out, lambda job: weights.pop(job.module) if job.module in weights
                                   else job.fmt.quantize(plan.src.read(job.source)),  # embeddings: round to nearest
-                                  force, max_shard_bytes, progress, report)
+                                  force, max_shard_bytes, progress, report, ref)
     return plan.summary(out, time.perf_counter() - t0, mem.peak, written)

@@ -190,10 +190,10 @@ def source_and_output(src: str | Path, out: str | Path | None, qconfig: QuantCon
 
 
 def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str, torch.Tensor]], force: bool = False,
-                    max_shard_bytes: int = 2 << 30, progress: bool = True, fidelity: bool = True) -> dict:
+                    max_shard_bytes: int = 2 << 30, progress: bool = True, fidelity: bool = True, ref=None) -> dict:
     """Write the plan's output dir; `stored_for(job)` gives a quantized job's stored tensors by suffix.
-    The dir includes its report (quantize/report.py; fidelity: measured, else recipe and sizes only),
-    which is returned."""
+    The dir includes its report (quantize/report.py; fidelity: measured, against `ref` if a pass over
+    the source made it; else recipe and sizes only), which is returned."""
     from .report import write_report
 
     large_allocations_from_mmap()  # freed tensors go back to the OS at once: memory stays one tensor deep
@@ -212,21 +212,22 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
     config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
     return write_checkpoint_dir(out, plan.specs, produce(), config, inputs=(plan.src.path,), force=force,
                                 side_files=plan.side_files, max_shard_bytes=max_shard_bytes,
-                                finish=lambda tmp: write_report(plan, tmp, fidelity))
+                                finish=lambda tmp: write_report(plan, tmp, fidelity, ref))
 
 
 def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig | None = None, *,
             force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
-            **options) -> Summary:
+            ref=None, **options) -> Summary:
     """Quantize the checkpoint dir `src` into `out` (default: src plus a suffix such as -int4-g128) by
     round to nearest on each format's grid (bitsandbytes' own quantizer for its formats). The formats
     come from `qconfig`, or from QuantConfig.from_options(**options) (bits, group_size, symmetric,
-    scheme, lm_head_bits, embed_bits, skip). report: measure fidelity for the report (quantize/report.py)."""
+    scheme, lm_head_bits, embed_bits, skip). report: measure fidelity for the report (quantize/report.py),
+    against `ref` if a pass over the source already made its reference."""
     t0 = time.perf_counter()
     qconfig = qconfig or QuantConfig.from_options(**options)
     src, out = source_and_output(src, out, qconfig, force)
     plan = plan_conversion(src, qconfig, report)
     with PeakAnonSampler() as mem:
         written = write_quantized(plan, out, lambda job: quantize_tensor(plan.src, job), force,
-                                  max_shard_bytes, progress, report)
+                                  max_shard_bytes, progress, report, ref)
     return plan.summary(out, time.perf_counter() - t0, mem.peak, written)

@@ -3,14 +3,16 @@
 quantize time on the built-in eval text (disjoint from the calibration text): KLD, top-1 agreement
 and PPL ratio against the source, as `qlite eval` measures them.
 
-The source runs one float32 decoder layer at a time, streamed from its files as GPTQ's calibration
-does, so measuring never holds the 16-bit model; the quantized model is loaded whole (it is the
-small one) and runs as `qlite eval` runs it (default dtype and kernels)."""
+The source runs one float32 decoder layer at a time, streamed from its files (quantize/source_pass.py:
+the reference's windows ride whatever pass over the source the quantizing makes anyway: the
+sensitivities' forward, GPTQ's calibration; or a pass of their own), so measuring never holds the
+16-bit model; the quantized model is loaded whole (it is the small one) and runs as `qlite eval` runs
+it (default dtype and kernels)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +20,11 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import REPORT_NAME
-from qlite.loader import float_layer, load_model
-from qlite.model import RMSNorm, Rotary, Step
+from qlite.loader import load_model
 from qlite.qconfig import EMBEDDINGS
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
+from quantize.source_pass import Windows, embedded, final_norm, head_weight, source_pass
 
 REPORT_VERSION = 1
 TEXTS = ("code", "prose")  # eval's built-in texts
@@ -51,24 +53,46 @@ def recipe(plan) -> dict[str, str]:
     return formats
 
 
-@torch.inference_mode()
-def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS) -> dict:
-    """Fidelity of the checkpoint at `quantized` against `src` on each built-in text."""
-    t0 = time.perf_counter()
-    cfg = dataclasses.replace(src.config, quantization=None)
-    ctx = min(CTX, cfg.max_position_embeddings)
+@dataclass
+class Reference:
+    """The float source on the eval text: built by riding a pass over the source (`windows`), then
+    `finish`ed by whoever ran the pass; measure() scores any quantized checkpoint of that source
+    against it (--target-kld: every trial against one)."""
+    ids: dict[str, torch.Tensor]  # text -> (chunks, ctx) token ids: the chunks `qlite eval --max-chunks` scores
+    windows: Windows | None  # every text's chunks together, (texts x chunks, ctx, hidden), through the layers
+    seconds: float = 0.0  # the reference's share of the pass it rode
+    normed: torch.Tensor | None = None  # the last layer's outputs after the final norm
+
+    def finish(self, src: CheckpointDir) -> "Reference":
+        if self.normed is None:
+            with torch.inference_mode():
+                self.normed = final_norm(src)(self.windows.x)
+            self.seconds, self.windows = self.windows.seconds, None
+        return self
+
+
+def reference(src: CheckpointDir, chunks: int = CHUNKS) -> Reference:
+    """The report's reference, not yet through the source's layers: give `.windows` to a source_pass."""
+    ctx = min(CTX, src.config.max_position_embeddings)
     tokenizer = Tokenizer(src.path)
     ids = {text: torch.tensor(chunk_tokens(leading_tokens(tokenizer, load_text(text), chunks * ctx), ctx, chunks))
-           for text in TEXTS}  # (chunks, ctx) each: the chunks `qlite eval --max-chunks` scores
-    every = torch.cat(list(ids.values()))  # (texts x chunks, ctx): the reference runs them together
-    x = torch.nn.functional.embedding(every, src.read(f"{EMBEDDINGS}.weight").float())  # (rows, ctx, hidden)
-    step = Step(*Rotary(cfg)(torch.arange(ctx)[None]), None, None, 0)
-    for i in range(cfg.num_hidden_layers):
-        x = float_layer(src, cfg, i)(x, step)
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    norm.weight.copy_(src.read("model.norm.weight").float())
-    x = norm(x)
-    head = src.read(f"{EMBEDDINGS}.weight" if cfg.tie_word_embeddings else "lm_head.weight")  # (vocab, hidden), stored dtype
+           for text in TEXTS}  # (chunks, ctx) each
+    return Reference(ids, embedded(src, torch.cat(list(ids.values()))))  # all chunks in one forward per layer
+
+
+@torch.inference_mode()
+def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS, ref: Reference | None = None) -> dict:
+    """Fidelity of the checkpoint at `quantized` against `src` on each built-in text; `ref`: the
+    reference, through the source's layers (else a pass of its own)."""
+    t0 = time.perf_counter()
+    if ref is None:
+        ref = reference(src, chunks)
+        source_pass(src, [ref.windows], progress=False)
+        ref.finish(src).seconds = 0.0  # counted from t0
+    ref.finish(src)
+    ids, x = ref.ids, ref.normed  # x: (rows, ctx, hidden)
+    chunks, ctx = next(iter(ids.values())).shape
+    head = head_weight(src)  # (vocab, hidden), stored dtype
 
     model = load_model(quantized)
     texts, row = {}, 0
@@ -84,7 +108,7 @@ def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS) -> dict:
         s = fidelity.summary()
         texts[text] = {k: s[k] for k in ("tokens", "kld_mean", "kld_mean_err", "kld_p99", "top1", "ppl_ratio",
                                          "ppl_ratio_err")}
-    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0, 1),
+    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0 + ref.seconds, 1),
             "how": "source in float32, one layer at a time; the checkpoint as `qlite eval` runs it "
                    "(default dtype and kernels); every token after the first of each chunk scored"}
 
@@ -107,8 +131,9 @@ def float32_logits(x: torch.Tensor, head: torch.Tensor, block: int = 16384) -> t
     return torch.cat([x @ head[v:v + block].float().T for v in range(0, head.shape[0], block)], dim=-1)
 
 
-def write_report(plan, out: Path, fidelity: bool) -> dict:
-    """quantization_report.json in `out` (the finished output dir, before it is moved into place)."""
+def write_report(plan, out: Path, fidelity: bool, ref: Reference | None = None) -> dict:
+    """quantization_report.json in `out` (the finished output dir, before it is moved into place);
+    ref: the reference, if a pass over the source already made it."""
     measurable = fidelity and can_measure(plan.src)
     stored = CheckpointDir(out)
     nbytes = sum(t.nbytes for t in stored.tensors.values())
@@ -116,7 +141,7 @@ def write_report(plan, out: Path, fidelity: bool) -> dict:
     report = {"report_version": REPORT_VERSION, "source": plan.src.path.name, "quantization": plan.qconfig.describe(),
               "recipe": recipe(plan), "bytes": nbytes, "parameters": params,
               "bits_per_parameter": round(8 * nbytes / params, 4),
-              "fidelity": measure(plan.src, out) if measurable else None,
+              "fidelity": measure(plan.src, out, ref=ref) if measurable else None,
               "not_measured": None if measurable else "SRC has no tokenizer.json" if fidelity else "--no-report"}
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2))
     return report

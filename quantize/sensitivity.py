@@ -14,12 +14,12 @@ E[grad log p_t(y_t)] = 0 and the y_t are independent), so 1/2 (g . delta)^2, ave
 windows and divided by the window's length, estimates the unit's mean KLD per token without running
 the model once per unit and format. lm_head's KLD is computed exactly (its logits are the output).
 
-The source runs in float32 one decoder layer at a time (streamed from its files, as GPTQ's calibration
-does): forward through every layer keeping each layer's input, then per sample backward from the top,
-each layer recomputed from its stored input. lm_head is read in blocks of vocabulary rows."""
+The source runs in float32 one decoder layer at a time (streamed from its files: quantize/source_pass.py,
+the report's reference riding the same pass): forward through every layer keeping each layer's input,
+then per sample backward from the top, each layer read again and recomputed from its stored input.
+lm_head is read in blocks of vocabulary rows."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from qlite.checkpoint import CheckpointDir
 from qlite.formats import Format
 from qlite.loader import float_layer
-from qlite.model import Linear, RMSNorm, Rotary, Step, checkpoint_module
+from qlite.model import Linear, checkpoint_module
 from qlite.qconfig import EMBEDDINGS
 from qlite.tokenizer import Tokenizer
+from quantize.source_pass import Windows, embedded, final_norm, float_config, head_weight, source_pass
 
 WINDOWS, SEQLEN, SAMPLES = 8, 256, 4  # calibration windows (half code, half prose), tokens each, label samples
 VOCAB_BLOCK = 16384  # lm_head rows read, converted and quantized at a time
@@ -61,25 +62,23 @@ def quantization_error(w: torch.Tensor, fmt: Format) -> torch.Tensor:
 @torch.inference_mode(False)
 @torch.enable_grad()  # the backward passes, whatever the caller's mode
 def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: torch.Tensor,
-                  samples: int = SAMPLES, seed: int = 0, progress: bool = True) -> dict[str, list[float]]:
+                  samples: int = SAMPLES, seed: int = 0, progress: bool = True, riders: tuple[Windows, ...] = ()
+                  ) -> dict[str, list[float]]:
     """unit name -> estimated mean KLD per token that quantizing that unit alone in each of its
-    candidate formats adds (same order as candidates[unit]); ids: (windows, seqlen) calibration tokens."""
+    candidate formats adds (same order as candidates[unit]); ids: (windows, seqlen) calibration tokens;
+    `riders` go through each float layer in the forward pass (source_pass)."""
     from tqdm import tqdm
 
-    cfg = dataclasses.replace(src.config, quantization=None)
+    cfg = float_config(src)
     windows, seqlen = ids.shape
     generator = torch.Generator().manual_seed(seed)
-    step = Step(*Rotary(cfg)(torch.arange(seqlen)[None]), None, None, 0)
-    table = src.read(f"{EMBEDDINGS}.weight")
-    inputs = [F.embedding(ids, table.float())]  # each layer's input, (windows, seqlen, hidden)
+    forward = embedded(src, ids, keep_inputs=True)  # each layer's input kept, (windows, seqlen, hidden)
     with torch.no_grad():
-        for i in tqdm(range(cfg.num_hidden_layers), desc="sensitivity: forward", unit="layer", disable=not progress):
-            inputs.append(float_layer(src, cfg, i)(inputs[-1], step))
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    norm.weight.requires_grad_(False).copy_(src.read("model.norm.weight").float())
-    head = src.read(f"{EMBEDDINGS}.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-    last = inputs.pop().requires_grad_()
-    normed = norm(last)  # (windows, seqlen, hidden)
+        source_pass(src, [forward, *riders], progress=progress, desc="sensitivity: forward")
+    inputs, step, table, head = forward.inputs, forward.step, src.read(f"{EMBEDDINGS}.weight"), head_weight(src)
+    last = forward.x.requires_grad_()
+    del forward
+    normed = final_norm(src)(last)  # (windows, seqlen, hidden)
     head_klds, grads = head_pass(normed.detach().flatten(0, 1), head, candidates.get("lm_head", []), samples, generator)
     out = {"lm_head": head_klds}
     # each sample's gradient at the last layer's output: (windows, seqlen, hidden)

@@ -46,7 +46,46 @@ def test_measure_smoke_run_on_a_one_layer_0_5b_shape(tmp_path):
                         for line in r.output.splitlines() if line.startswith("| 0.5b"))
     assert quantized[2] == "rtn" and float(quantized[3]) > 0 and 300 < float(quantized[5]) < 4000  # peak MiB
     assert 0 < float(quantized[6]) < 2 * SHAPES["0.5b"].parameters(1) / 2**20  # quantized: under the bf16 size
-    assert float(timed[2]) > 0 and float(timed[3]) > 0  # prefill, decode tokens/s
+    assert timed[1] == "qlite int4-g128" and float(timed[3]) > 0 and float(timed[4]) > 0  # prefill, decode tok/s
     assert (tmp_path / "scale.md").read_text().startswith("| shape |")
     bad = CliRunner().invoke(main, ["measure", "0.5b", "--recipes", "rtn,awq", "--dir", str(tmp_path / "work")])
     assert bad.exit_code != 0 and "--recipes: unknown awq" in bad.output
+
+
+def test_measure_runs_llama_cpps_converter_and_quantizer_on_the_same_checkpoint(tmp_path):
+    """--llama-cpp: the tree's convert_hf_to_gguf.py gets the checkpoint and writes the f16 file, its
+    llama-quantize makes each type from that, each timed as a row; the f16 file is gone after. A stand-in
+    tree (scripts that check their arguments and write files) stands for llama.cpp here."""
+    tree = tmp_path / "llama"
+    (tree / "build/bin").mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text(
+        "import sys, pathlib\n"
+        "src, outtype, out = sys.argv[1], sys.argv[sys.argv.index('--outtype') + 1], sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "assert outtype == 'f16' and (pathlib.Path(src) / 'config.json').exists()\n"
+        "pathlib.Path(out).write_bytes(b'f16' * 1000)\n")
+    quantizer = tree / "build/bin/llama-quantize"
+    quantizer.write_text("#!/bin/sh\n[ \"$3\" = Q4_0 ] || [ \"$3\" = Q8_0 ] || exit 1\n"
+                         "test -f \"$1\" && head -c 1000 \"$1\" > \"$2\"\n")
+    quantizer.chmod(0o755)
+    tokenizer = make_checkpoint(tmp_path / "tiny")
+    args = ["measure", "0.5b", "--layers", "1", "--dir", str(tmp_path / "work"), "--recipes", "rtn",
+            "--llama-cpp", str(tree), "--tokenizer-from", str(tokenizer)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    rows = {cells[2]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in r.output.splitlines() if line.startswith("| 0.5b"))}
+    assert set(rows) == {"rtn", "llama.cpp convert f16", "llama.cpp Q4_0", "llama.cpp Q8_0"}
+    assert all(float(cells[3]) > 0 and float(cells[5]) > 0 for cells in rows.values())  # seconds, peak MiB
+    work = tmp_path / "work"
+    assert (work / "r0.5b-1l-q4_0.gguf").stat().st_size == 1000 and not (work / "r0.5b-1l-f16.gguf").exists()
+    broken = CliRunner().invoke(main, [*args[:-4], "--llama-cpp", str(tmp_path / "work")])
+    assert broken.exit_code != 0 and "needs convert_hf_to_gguf.py and build/bin/llama-quantize" in broken.output
+
+
+def test_plot_draws_the_cost_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    from eval.scale import plot
+    rows = [{"recipe": r, "params": p, "seconds": s, "peak": 2**30, "error": ""}
+            for r in ("rtn", "llama.cpp Q4_0") for p, s in ((5e8, 20.0), (7.6e9, 300.0))]
+    plot(rows + [{**rows[0], "error": "died"}], tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,200 @@
+"""Speculative decoding: the verify forward's logits bit for bit what one-token steps give (every kind of
+product, quantized caches, both instruction sets), so speculative output is plain decoding's, greedy and
+sampled; the cache rolled back past rejected proposals; the drafter and the pacer; the CLI."""
+import pytest
+import torch
+
+from qlite import native
+from qlite.cli import main
+from qlite.decode import Sequence, decode_batch, stream_text
+from qlite.errors import QliteError
+from qlite.generate import SamplingParams
+from qlite.loader import load_model
+from qlite.speculate import MAX_DRAFT, Pacer, PromptLookup, Speculation, Stats, decode_speculative
+from tiny_models import NATIVE_WIDTHS, make_checkpoint
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # a prompt whose continuation lookups can guess
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path_factory.mktemp("spec") / "bf16", seed=4, **NATIVE_WIDTHS)
+    out = {"bf16": src}
+    for name, bits, group in (("int8", 8, None), ("int4", 4, 64), ("int4-g128", 4, 128)):
+        out[name] = convert(src, src.parent / name, bits=bits, group_size=group, progress=False, report=False).out_dir
+    return out
+
+
+def stepped_and_verified(model, prompt, feed):
+    """Logits after each token of `feed` following `prompt`: one-token steps, and one exact forward."""
+    results = []
+    for exact in (False, True):
+        cache = model.new_cache(1, len(prompt) + 1, limit=len(prompt) + len(feed))  # grows as generate's does
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), cache, last_only=True)
+            if exact:
+                results.append(model(torch.tensor([feed]), cache, exact=True)[0])
+            else:
+                results.append(torch.cat([model(torch.tensor([[t]]), cache)[0] for t in feed]))
+        assert cache.length == len(prompt) + len(feed)
+    return results
+
+
+@needs_native
+@pytest.mark.usefixtures("native_isa")
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8", "int4"])
+def test_the_verify_forward_is_the_steps_bit_for_bit(ckpts, kind, kv_cache):
+    model = load_model(ckpts[kind], kv_cache=kv_cache)
+    stepped, verified = stepped_and_verified(model, list(range(3, 40)), [41, 7, 99, 3, 250, 17, 8, 60])
+    assert torch.equal(stepped, verified)
+    assert not torch.equal(stepped[1:], stepped[:-1])  # the rows are different positions
+
+
+@needs_native
+def test_without_exact_a_forward_of_several_tokens_is_not_bitwise_the_steps(ckpts):
+    """What `exact` is for: the plain multi-token forward (the prefill path) rounds differently."""
+    model = load_model(ckpts["int4"])
+    prompt, feed = list(range(3, 40)), [41, 7, 99, 3, 250, 17, 8, 60]
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), cache)
+        plain = model(torch.tensor([feed]), cache)[0]
+    stepped, _ = stepped_and_verified(model, prompt, feed)
+    assert not torch.equal(plain, stepped)
+
+
+def decode(model, prompt, params, speculation=None):
+    seq = Sequence(prompt, params, eos_ids=[263], vocab_size=model.config.vocab_size)
+    steps = ((t, e) for [(t, e)] in decode_batch(model, [prompt], [seq])) if speculation is None \
+        else speculation.decode(model, prompt, seq)
+    return [t for t, _ in steps], seq
+
+
+@needs_native
+@pytest.mark.usefixtures("native_isa")
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
+                                   SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=3, max_new_tokens=40),
+                                   SamplingParams(temperature=1.3, repetition_penalty=1.2, seed=11, max_new_tokens=40)],
+                         ids=["greedy", "sampled", "penalised"])
+def test_speculative_output_is_plain_decodings(ckpts, kind, params):
+    model = load_model(ckpts[kind])
+    plain, _ = decode(model, REPEATS, params)
+    spec = Speculation.named("lookup", model)
+    fast, seq = decode(model, REPEATS, params, spec)
+    assert fast == plain and seq.generated == len(plain)
+    assert spec.stats.tokens == len(plain) and spec.stats.proposed > 0  # (taken ones: the oracle below)
+
+
+@needs_native
+def test_rejected_proposals_are_rolled_back(ckpts):
+    """A drafter that is always wrong: every proposal rejected, the cache cut back each pass, the output
+    still plain decoding's; one that is always right (the plain output itself): every proposal taken."""
+    model = load_model(ckpts["int4"])
+    params = SamplingParams(max_new_tokens=30)
+    plain, _ = decode(model, [3, 4, 5], params)
+
+    class Wrong:
+        def propose(self, tokens, k):
+            return [(plain[len(tokens) - 3] + 1) % 500] * k if len(tokens) - 3 < len(plain) else []
+
+    class Oracle:
+        def propose(self, tokens, k):
+            return plain[len(tokens) - 3:len(tokens) - 3 + k]
+
+    for drafter, accepted in ((Wrong(), 0), (Oracle(), None)):
+        stats, seq = Stats(), Sequence([3, 4, 5], params, eos_ids=[263])
+        out = [t for t, _ in decode_speculative(model, [3, 4, 5], seq, drafter, stats=stats)]
+        assert out == plain
+        assert stats.accepted == (accepted if accepted is not None else stats.proposed) and stats.proposed > 0
+    assert stats.passes <= len(plain) // 2  # the oracle: up to 8 tokens a pass
+
+
+@needs_native
+def test_the_context_and_token_budget_bound_the_proposals(ckpts):
+    model = load_model(ckpts["int4"])
+    context = model.config.context_length
+    prompt = (REPEATS * 12)[:context - 5]
+    plain, seq = decode(model, prompt, SamplingParams(max_new_tokens=50))
+    fast, spec_seq = decode(model, prompt, SamplingParams(max_new_tokens=50), Speculation.named("lookup", model))
+    assert fast == plain and len(fast) == 5 and spec_seq.generated == 5  # the context ends it
+    budget, _ = decode(model, REPEATS, SamplingParams(max_new_tokens=3), Speculation.named("lookup", model))
+    assert len(budget) == 3
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match():
+    lookup = PromptLookup(max_ngram=3)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest [1, 2, 3]
+    assert lookup.propose([4, 5, 6, 1, 2, 9, 2], 3) == [9, 2]  # no 3- or 2-gram: the 1-gram [2], cut at the end
+    assert lookup.propose([1, 2, 3, 4], 4) == []
+    assert lookup.propose([7], 4) == []
+    assert lookup.propose([1, 2, 1, 2, 1, 2], 3) == [1, 2]
+
+
+def test_the_pacer_follows_acceptance():
+    pacer = Pacer(7)
+    pacer.update(7, 0)
+    assert pacer.k == 3
+    pacer.update(3, 0)
+    pacer.update(1, 0)
+    pacer.update(1, 0)
+    assert pacer.k == 1
+    pacer.update(1, 1)
+    pacer.update(3, 3)
+    assert pacer.k == 5
+    pacer.update(5, 2)
+    assert pacer.k == 3
+    pacer.update(0, 0)
+    assert pacer.k == 3
+
+
+def test_speculation_is_refused_where_the_verify_pass_is_not_exact(ckpts):
+    with pytest.raises(QliteError, match="--speculate: needs qlite's native CPU kernels"):
+        Speculation.named("lookup", load_model(ckpts["int4"], kernel="reference"))
+    with pytest.raises(QliteError, match="--speculate other/dir: only 'lookup'"):
+        Speculation.named("other/dir", load_model(ckpts["int4"]))
+    with pytest.raises(QliteError, match=f"--draft-tokens 9: from 1 to {MAX_DRAFT}"):
+        Speculation.named("lookup", load_model(ckpts["int4"]), most=9)
+
+
+@needs_native
+def test_generate_with_speculation_prints_plain_generates_text(ckpts, capsys):
+    args = ["generate", "-m", str(ckpts["int4"]), "--raw", "-p", "abc abc abc abc abc abc", "--max-new-tokens", "24"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculate", "lookup", "--draft-tokens", "4", "--stats"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "speculation:" in out.err and "tokens per forward" in out.err
+    assert main([*args, "--speculate", "draft/dir"]) == 1
+    assert "--speculate draft/dir: only 'lookup'" in capsys.readouterr().err
+
+
+@needs_native
+def test_stream_text_and_the_python_api_take_speculation(ckpts):
+    from qlite.pipeline import load
+    lm = load(ckpts["int4"])
+    ids = lm.prompt_ids("abc abc abc abc", chat=False)
+    params = lm.params(max_new_tokens=16)
+    plain = "".join(stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids))
+    spec = Speculation.named("lookup", lm.model)
+    assert "".join(stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, speculation=spec)) == plain
+    assert lm.generate("abc abc abc abc", chat=False, max_new_tokens=16, speculate="lookup") == plain
+
+
+@needs_native
+def test_chat_with_speculation_replies_as_without(ckpts):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    base = [sys.executable, "-m", "qlite", "chat", "-m", str(ckpts["int4"]), "--max-new-tokens", "12"]
+    turns = "abc abc abc\nabc abc\n/exit\n"
+    plain = subprocess.run(base, input=turns, capture_output=True, text=True, env=env, timeout=120)
+    spec = subprocess.run([*base, "--speculate", "lookup"], input=turns, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.count("\n") == 2
