@@ -10,13 +10,15 @@ against the fused step (qlite/fused.py, one native call for all layers), alterna
 (built as qlite builds its own, with this checkout's headers) against the current ones, call by call
 on the same weights, streamed from memory (copies of each weight, 300 MB in all), one activation row:
 how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
+--verify DIR instead times speculative decoding's verify forward of a checkpoint (one exact forward of R
+rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-token step, interleaved.
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
     python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
-                                [--attention KEYS | --sampling | --steps DIR | --against FILE]
+                                [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE]
 """
 from __future__ import annotations
 
@@ -173,6 +175,29 @@ def time_steps(model_dir, calls: int) -> None:
     print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
 
 
+def time_verify(model_dir, rows: list[int], calls: int) -> None:
+    """ms of one exact forward of R rows (R = 1: a plain step) after a 64-token prompt, the cache rolled
+    back after each; `calls` rounds, the row counts interleaved."""
+    from qlite.loader import load_model
+    model = load_model(model_dir)
+    rows = sorted(set(rows) | {1})
+    times, vocab = {r: [] for r in rows}, model.config.vocab_size
+    with torch.inference_mode():
+        cache = model.new_cache(1, 64 + max(rows))
+        model(torch.arange(1000, 1064)[None] % vocab, cache, last_only=True)
+        for _ in range(calls):
+            for r in rows:
+                t = time.perf_counter()
+                model(torch.arange(2000, 2000 + r)[None] % vocab, cache, exact=r > 1)
+                times[r].append(1e3 * (time.perf_counter() - t))
+                cache.length -= r
+    one = statistics.median(times[1])
+    print("| checkpoint | rows | ms | / one step |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {Path(model_dir).name} | {r} | {cell(times[r])} | {statistics.median(times[r]) / one:.2f} |")
+
+
 AGAINST = [  # (product, format, N, K): the products a decode step of the demo's checkpoints and mixes runs
     ("integer x", Int4(128), 9728, 896), ("integer x", Int4(128), 896, 4864), ("integer x", Int4(32), 9728, 896),
     ("integer x", Int4(64), 9728, 896), ("integer x", Int4K(32), 9728, 896), ("integer x", Int4K(64), 9728, 896),
@@ -246,10 +271,12 @@ def time_against(source: Path, calls: int) -> None:
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
+@click.option("--verify", "verify_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="time speculative decoding's verify forward of this checkpoint at --rows rows instead")
 @click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="time the products of this version of the kernel file against the current ones instead (its "
               "headers come from its own directory first, then qlite's csrc: copy old headers beside it)")
-def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, against):
+def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, verify_dir, against):
     torch.set_num_threads(threads)
     if attention_context:
         return time_attention(attention_context, calls)
@@ -257,6 +284,8 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, a
         return time_sampling(calls)
     if steps_dir:
         return time_steps(steps_dir, calls)
+    if verify_dir:
+        return time_verify(verify_dir, [int(r) for r in rows.split(",")], calls)
     if against:
         return time_against(against, calls)
     if not native.vnni_ready():

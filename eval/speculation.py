@@ -8,14 +8,20 @@ the share of proposals accepted, and whether the output is token for token plain
 - prose: chat prose questions.
 
 With --gguf FILE, llama.cpp (llama-cpp-python, same threads) decodes the same prompt tokens greedily in
-the same run: its plain decode tokens/s per prompt.
+the same run: its plain decode tokens/s per prompt; with --llama-lookup BIN too, llama.cpp's own
+prompt-lookup tool (`llama-lookup`, built from the same vendored source) runs the same prompt text
+greedily on that GGUF, up to as many tokens as qlite made: its decode tokens/s and acceptance.
 
-    python -m eval.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--gguf FILE]
+    python -m eval.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--gguf FILE
+                                          [--llama-lookup BIN]]
 """
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,6 +91,22 @@ def llama_cpp_tps(llm, ids: list[int], new_tokens: int) -> float:
     return (tokens - 1) / (time.perf_counter() - t_first)
 
 
+def llama_lookup(binary: Path, gguf: Path, text: str, new_tokens: int, draft: int, threads: int) -> tuple[float, float]:
+    """llama.cpp's llama-lookup, greedy, on the prompt text: (decode tokens/s, share of drafts accepted)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        run = subprocess.run([str(binary), "-m", str(gguf), "-f", f.name, "-n", str(new_tokens), "--temp", "0",
+                              "--spec-draft-n-max", str(draft), "-t", str(threads), "-c", "4096"],
+                             capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    if run.returncode or not found:
+        raise click.ClickException(f"{binary}: {(log.strip().splitlines() or ['failed'])[-1]}")
+    accept = re.search(r"accept\s+=\s+([\d.]+)%", log)
+    return int(found[1]) / float(found[2]), float(accept[1]) / 100 if accept else 0.0
+
+
 def med(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})" if values else "-"
 
@@ -98,8 +120,10 @@ def med(values: list[float]) -> str:
 @click.option("--limit", type=int, help="at most this many prompts per set")
 @click.option("--gguf", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="llama.cpp's plain decode of this GGUF on the same prompts, in the same run")
+@click.option("--llama-lookup", "lookup_bin", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="llama.cpp's llama-lookup binary: its prompt lookup on --gguf, the same prompts")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="also write the table here")
-def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, md_path):
+def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, lookup_bin, md_path):
     import torch
 
     from qlite.pipeline import load
@@ -108,13 +132,16 @@ def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, md_pat
     torch.set_num_threads(threads)
     lm = load(model_dir)
     speculation = Speculation.named("lookup", lm.model, draft_tokens)
+    if lookup_bin and not gguf:
+        raise click.ClickException("--llama-lookup runs on --gguf FILE: give both")
     llm = None
     if gguf:
         from llama_cpp import Llama
         llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
-    lines = [f"| set | prompts | tokens | qlite plain tok/s | qlite lookup tok/s | lookup / plain | accepted | "
-             f"tokens per forward | identical to plain greedy |" + (" llama.cpp plain tok/s | qlite lookup / llama.cpp |" if llm else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if llm else "")]
+    lines = ["| set | prompts | tokens | qlite plain tok/s | qlite lookup tok/s | lookup / plain | accepted | "
+             f"tokens per forward | identical to plain greedy |" + (" llama.cpp plain tok/s | qlite lookup / llama.cpp |" if llm else "")
+             + (" llama-lookup tok/s | its accepted | qlite lookup / llama-lookup |" if lookup_bin else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if llm else "") + ("---|---|---|" if lookup_bin else "")]
     for name, prompts in prompt_sets(sets.split(","), limit).items():
         rows = []
         for i, prompt in enumerate(prompts):
@@ -122,6 +149,9 @@ def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, md_pat
             row = qlite_pair(lm, ids, new_tokens, speculation)
             if llm:
                 row["llama_tps"] = llama_cpp_tps(llm, ids, row["tokens"])
+            if lookup_bin:
+                row["lookup_tps"], row["lookup_accept"] = llama_lookup(lookup_bin, gguf, lm.tokenizer.decode(ids),
+                                                                       row["tokens"], draft_tokens, threads)
             rows.append(row)
             click.echo(f"{name} {i}: {json.dumps(row)}", err=True)
         ratio = [r["spec_tps"] / r["plain_tps"] for r in rows]
@@ -132,6 +162,9 @@ def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, md_pat
         if llm:
             line += (f" {med([r['llama_tps'] for r in rows])} | "
                      f"{med([r['spec_tps'] / r['llama_tps'] for r in rows])} |")
+        if lookup_bin:
+            line += (f" {med([r['lookup_tps'] for r in rows])} | {med([r['lookup_accept'] for r in rows])} | "
+                     f"{med([r['spec_tps'] / r['lookup_tps'] for r in rows])} |")
         lines.append(line)
     text = "\n".join(lines)
     click.echo(text)

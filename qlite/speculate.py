@@ -9,9 +9,10 @@ rest rule.) A rejected proposal's keys and values are left past the cache's leng
 
 Drafters propose up to k tokens given the sequence so far: PromptLookup (the longest recent n-gram of
 prompt + output that recurs proposes what followed it). The number proposed adapts to how many were
-accepted (Pacer), so text that does not repeat costs little more than plain decoding."""
+accepted and what passes cost (Pacer), so text that does not repeat costs little more than plain decoding."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -42,21 +43,56 @@ class PromptLookup:
 
 
 class Pacer:
-    """How many tokens to propose: more after a pass that took them all, fewer after one that took
-    none (down to 1: a proposal that fails costs one more row of the verify forward, not a pass)."""
+    """How many tokens to propose: the k that maximises the tokens a pass is expected to yield,
+    1 + a + ... + a^k (a: the chance that a proposal is taken once the ones before it were, a running
+    estimate), over what a pass of 1 + k rows costs (a running mean of measured pass times per row
+    count; until measured, a step plus ROW_COST of a step per extra row). Text that does not repeat
+    drives a, and so k, down to 0 (plain steps), with one proposal every PROBE passes to see whether
+    that changed."""
+    ROW_COST = 0.35  # an extra verify row's share of a step, before measured (the demo model, int4, 2 Zen 4 cores)
+    DECAY = 0.8  # weight of the past in the running estimates
+    PROBE = 8
 
-    def __init__(self, most: int = MAX_DRAFT):
-        self.most = self.k = most
+    def __init__(self, most: int = MAX_DRAFT, taken: float = 0.8):
+        self.most, self.taken = most, taken
+        self.seconds: dict[int, float] = {}  # rows -> running mean of a pass's seconds
+        self.idle = 0  # passes since the last proposal
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return
-        if accepted == proposed:
-            self.k = min(self.most, self.k + 2)
-        elif accepted == 0:
-            self.k = max(1, self.k // 2)
-        else:
-            self.k = max(1, min(self.most, accepted + 1))
+        """After a pass: `accepted` of `proposed` taken (a rejection ends a pass's run)."""
+        if proposed:
+            tries = accepted + (accepted < proposed)
+            self.taken = self.DECAY * self.taken + (1 - self.DECAY) * accepted / tries
+
+    def timed(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def cost(self, rows: int) -> float:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        step = self.seconds.get(1, 1.0)
+        return step * (1 + self.ROW_COST * (rows - 1))
+
+    def best(self) -> int:
+        """The k of the most tokens per second expected."""
+        gains, tokens, best, best_k = 1.0, 1.0, 0.0, 0
+        for k in range(0, self.most + 1):
+            if k:
+                gains *= self.taken
+                tokens += gains
+            rate = tokens / self.cost(1 + k)
+            if rate > best:
+                best, best_k = rate, k
+        return best_k
+
+    def next(self) -> int:
+        """How many to propose for the coming pass."""
+        k = self.best()
+        self.idle = 0 if k else self.idle + 1
+        if self.idle >= self.PROBE:
+            k, self.idle = 1, 0
+        return k
 
 
 @dataclass
@@ -141,8 +177,10 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
         if seq.finished:
             return
         # the last token the context or the budget allows is picked whatever was proposed for it
-        k = min(pacer.k, capacity - len(tokens), seq.params.max_new_tokens - seq.generated) - 1
+        k = min(pacer.next(), capacity - len(tokens) - 1, seq.params.max_new_tokens - seq.generated - 1)
         draft = drafter.propose(tokens, k) if k > 0 else []
         feed, start = torch.tensor([[seq.token, *draft]], device=model.device), cache.length
+        t0 = time.perf_counter()
         out = model(feed, cache, exact=bool(draft))[0]  # (1 + len(draft), V)
+        pacer.timed(feed.shape[1], time.perf_counter() - t0)
         stats.passes += 1

@@ -34,8 +34,13 @@ void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scale
                 else if (int4) int_block(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 1, 0, NR, MR, out); \
                 else if (small) int_block(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 1, NR, MR, out); \
                 else int_block(xm, xsm, xsumm, K, G, wn, sn, sw, sz, 0, 0, NR, MR, out); } while (0)
+            /* every row count below XTILE too: speculative decoding verifies 2-8 tokens a pass (speculate.py) */
             if (nrows == ROWS && mrows == XTILE) INT_BLOCK(ROWS, XTILE);
             else if (nrows == ROWS && mrows == 1) INT_BLOCK(ROWS, 1);
+#if XTILE > 3
+            else if (nrows == ROWS && mrows == 2) INT_BLOCK(ROWS, 2);
+            else if (nrows == ROWS && mrows == 3) INT_BLOCK(ROWS, 3);
+#endif
             else int_block(xm, xsm, xsumm, K, G, wn, sn, sw, sz, int4, small, nrows, mrows, out);
             #undef INT_BLOCK
             for (int r = 0; r < nrows; r++)

@@ -29,6 +29,17 @@ def test_products_table_one_row():
     assert len([line for line in r.output.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]) >= 3
 
 
+def test_verify_table(tmp_path):
+    from tiny_models import NATIVE_WIDTHS, make_checkpoint
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    ckpt = make_checkpoint(tmp_path / "tiny", **NATIVE_WIDTHS)
+    r = CliRunner().invoke(kernel_bench.main, ["--verify", str(ckpt), "--rows", "4,2", "--calls", "2", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert [line.split("|")[2].strip() for line in r.output.splitlines()[2:]] == ["1", "2", "4"]
+    assert r.output.splitlines()[2].rstrip().endswith("| 1.00 |")
+
+
 def test_steps_table_and_a_checkpoint_without_a_fused_step(tmp_path, monkeypatch):
     from tiny_models import NATIVE_WIDTHS, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "tiny", **NATIVE_WIDTHS)

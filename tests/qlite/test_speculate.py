@@ -134,21 +134,23 @@ def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match():
     assert lookup.propose([1, 2, 1, 2, 1, 2], 3) == [1, 2]
 
 
-def test_the_pacer_follows_acceptance():
+def test_the_pacer_follows_acceptance_and_cost():
     pacer = Pacer(7)
-    pacer.update(7, 0)
-    assert pacer.k == 3
-    pacer.update(3, 0)
-    pacer.update(1, 0)
-    pacer.update(1, 0)
-    assert pacer.k == 1
-    pacer.update(1, 1)
-    pacer.update(3, 3)
-    assert pacer.k == 5
-    pacer.update(5, 2)
-    assert pacer.k == 3
-    pacer.update(0, 0)
-    assert pacer.k == 3
+    for _ in range(10):
+        pacer.update(7, 7)
+    assert pacer.taken > 0.95 and pacer.best() == 7  # at a step plus 0.35 a row, all 7 pay
+    for rows in range(1, 9):  # rows that cost as much as a step each: no proposal pays unless all are taken
+        pacer.timed(rows, 0.01 * rows)
+    assert pacer.best() == 0
+    pacer.seconds = {1: 0.01, 2: 0.011, 3: 0.012, 4: 0.04, 5: 0.05, 6: 0.06, 7: 0.07, 8: 0.08}
+    assert pacer.best() == 2  # cheap up to 3 rows
+    for _ in range(20):
+        pacer.update(3, 0)
+    assert pacer.taken < 0.02 and pacer.best() == 0
+    ks = [pacer.next() for _ in range(16)]  # plain steps, and a probe every PROBE passes
+    assert ks.count(1) == 2 and ks.count(0) == 14 and ks[Pacer.PROBE - 1] == 1
+    pacer.update(0, 0)  # nothing proposed: nothing learnt
+    assert pacer.taken < 0.02
 
 
 def test_speculation_is_refused_where_the_verify_pass_is_not_exact(ckpts):
