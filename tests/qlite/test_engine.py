@@ -2,6 +2,7 @@
 argmax run where the CPU has them): prompts prefilled together and sequences joining mid-run give
 each prompt's answer alone."""
 import threading
+import time
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_bf16_logits_argmax_natively_where_it_can(lm):
 def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
     """A request whose prefill raises (here: a forward that fails on its tokens) gets its error; the
     sequence already decoding goes on and answers as it does alone."""
-    want = lm.generate("the the he", chat=False, max_new_tokens=24)
+    want = lm.generate("the the he", chat=False, max_new_tokens=160)  # long enough to be decoding when the bad one comes
     forward = type(lm.model).forward
     bad = lm.prompt_ids("he he", chat=False)
 
@@ -98,12 +99,14 @@ def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
             raise RuntimeError("a kernel failed on this prompt")
         return forward(self, ids, *args, **kwargs)
 
-    engine = Engine(lm, max_batch=4, ctx=96).start()
+    engine = Engine(lm, max_batch=4, ctx=256).start()
     try:
         answers = {}
-        first = submit(engine, lm, "the the he", 24, answers)
+        first = submit(engine, lm, "the the he", 160, answers)
+        deadline = time.monotonic() + 60
         while engine.load()["active"] == 0:  # decoding before the bad one arrives
-            threading.Event().wait(0.01)
+            assert not first.wait(0.005), "the first request ended before it was seen decoding"
+            assert time.monotonic() < deadline, "the first request never started decoding"
         monkeypatch.setattr(type(lm.model), "forward", failing)
         submit(engine, lm, "he he", 8, answers).wait(60)
         assert first.wait(60)

@@ -66,8 +66,8 @@ def test_without_exact_a_forward_of_several_tokens_is_not_bitwise_the_steps(ckpt
     assert not torch.equal(plain, stepped)
 
 
-def decode(model, prompt, params, speculation=None):
-    seq = Sequence(prompt, params, eos_ids=[263], vocab_size=model.config.vocab_size)
+def decode(model, prompt, params, speculation=None, eos=(263,)):
+    seq = Sequence(prompt, params, eos_ids=eos, vocab_size=model.config.vocab_size)
     steps = ((t, e) for [(t, e)] in decode_batch(model, [prompt], [seq])) if speculation is None \
         else speculation.decode(model, prompt, seq)
     return [t for t, _ in steps], seq
@@ -200,3 +200,19 @@ def test_chat_with_speculation_replies_as_without(ckpts):
                           timeout=120)
     assert plain.returncode == spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and plain.stdout.count("\n") == 2
+
+
+@needs_native
+@pytest.mark.demo
+def test_the_demo_model_edits_code_speculatively_as_it_does_plainly(demo_int4):
+    """The real model on one code-edit prompt, 32 greedy tokens: the same tokens, proposals taken."""
+    from eval.speculation import prompt_sets
+    from qlite.pipeline import load
+    lm = load(demo_int4)
+    ids = lm.prompt_ids([{"role": "user", "content": prompt_sets(["code-edit"], 1)["code-edit"][0]}])
+    params = SamplingParams(max_new_tokens=32)
+    plain, _ = decode(lm.model, ids, params, eos=lm.eos_ids)
+    spec = Speculation.named("lookup", lm.model)
+    fast, _ = decode(lm.model, ids, params, spec, eos=lm.eos_ids)
+    assert fast == plain and len(plain) == 32
+    assert spec.stats.accepted >= 8 and spec.stats.passes < 28  # the answer copies the prompt's code
