@@ -75,7 +75,9 @@ def test_measure_runs_llama_cpps_converter_and_quantizer_on_the_same_checkpoint(
     rows = {cells[2]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
                                           for line in r.output.splitlines() if line.startswith("| 0.5b"))}
     assert set(rows) == {"rtn", "llama.cpp convert f16", "llama.cpp Q4_0", "llama.cpp Q8_0"}
-    assert all(float(cells[3]) > 0 and float(cells[5]) > 0 for cells in rows.values())  # seconds, peak MiB
+    # seconds (the stand-ins may take under 0.05 s: "0.0") and peak MiB, each a number; qlite's a real peak
+    assert all(float(cells[3]) >= 0 and float(cells[5]) >= 0 for cells in rows.values())
+    assert float(rows["rtn"][3]) > 0 and float(rows["rtn"][5]) > 100
     work = tmp_path / "work"
     assert (work / "r0.5b-1l-q4_0.gguf").stat().st_size == 1000 and not (work / "r0.5b-1l-f16.gguf").exists()
     broken = CliRunner().invoke(main, [*args[:-4], "--llama-cpp", str(tmp_path / "work")])
