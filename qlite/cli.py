@@ -150,11 +150,6 @@ def speculate_options(command):
                              "followed the last few tokens where they occurred before (prompt lookup)")(command)
 
 
-def speculation_for(speculate: str | None, model, draft_tokens: int):
-    from .speculate import Speculation
-    return Speculation.named(speculate, model, draft_tokens) if speculate is not None else None
-
-
 def read_prompt(prompt: str | None) -> str:
     if prompt is not None:
         try:
@@ -208,7 +203,8 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
                        repetition_penalty=repetition_penalty,
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
     from .decode import stream_text
-    speculation = speculation_for(speculate, lm.model, draft_tokens)
+    from .speculate import speculation as speculating
+    speculation = speculating(speculate, lm.model, draft_tokens)
     generated = []
     t1 = time.perf_counter()
     for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append,
@@ -258,7 +254,8 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 
     import io  # lines as UTF-8, bytes that are not held as surrogates: run_chat skips such a line, not the session
     stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape") if sys.stdin else sys.stdin
-    run_chat(Conversation(lm, params, context, system, speculation=speculation_for(speculate, lm.model, draft_tokens)), stdin, out, lambda m: click.echo(m, nl=False, err=True),
+    from .speculate import speculation
+    run_chat(Conversation(lm, params, context, system, speculation=speculation(speculate, lm.model, draft_tokens)), stdin, out, lambda m: click.echo(m, nl=False, err=True),
              interactive)
 
 

@@ -85,10 +85,10 @@ class TextModel:
     def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
                speculate: str | None = None, draft_tokens: int = 7, **sampling) -> Iterator[str]:
         """speculate: "lookup" for speculative decoding (speculate.py: the same text, fewer forwards)."""
-        from .speculate import Speculation
+        from .speculate import speculation
         ids = self.prompt_ids(prompt, chat, system)
-        speculation = Speculation.named(speculate, self.model, draft_tokens) if speculate is not None else None
-        return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids, speculation=speculation)
+        return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids,
+                           speculation=speculation(speculate, self.model, draft_tokens))
 
     def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
                  speculate: str | None = None, draft_tokens: int = 7, **sampling) -> str:

@@ -130,6 +130,11 @@ class Speculation:
         return decode_speculative(model, prompt, seq, self.drafter, self.most, self.stats)
 
 
+def speculation(spec: str | None, model, most: int = MAX_DRAFT) -> Speculation | None:
+    """--speculate / speculate=: a Speculation, or None when not asked for."""
+    return None if spec is None else Speculation.named(spec, model, most)
+
+
 def check_exact(model) -> None:
     """Speculation's output equals plain decoding's only where the verify forward is row-exact: every
     linear on a native product and the native small ops (CPU, bf16)."""

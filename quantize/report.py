@@ -84,11 +84,10 @@ def reference(src: CheckpointDir, chunks: int = CHUNKS) -> Reference:
 def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS, ref: Reference | None = None) -> dict:
     """Fidelity of the checkpoint at `quantized` against `src` on each built-in text; `ref`: the
     reference, through the source's layers (else a pass of its own)."""
-    t0 = time.perf_counter()
-    if ref is None:
+    t0, own = time.perf_counter(), ref is None
+    if own:
         ref = reference(src, chunks)
         source_pass(src, [ref.windows], progress=False)
-        ref.finish(src).seconds = 0.0  # counted from t0
     ref.finish(src)
     ids, x = ref.ids, ref.normed  # x: (rows, ctx, hidden)
     chunks, ctx = next(iter(ids.values())).shape
@@ -108,7 +107,7 @@ def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS, ref: Refe
         s = fidelity.summary()
         texts[text] = {k: s[k] for k in ("tokens", "kld_mean", "kld_mean_err", "kld_p99", "top1", "ppl_ratio",
                                          "ppl_ratio_err")}
-    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0 + ref.seconds, 1),
+    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0 + (0 if own else ref.seconds), 1),
             "how": "source in float32, one layer at a time; the checkpoint as `qlite eval` runs it "
                    "(default dtype and kernels); every token after the first of each chunk scored"}
 
