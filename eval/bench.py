@@ -227,9 +227,26 @@ def size_on_disk(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def streaming_read_gbs(threads: int, gib: int = 1, reads: int = 5) -> list[float]:
+    """This machine's plain streaming read: GB/s of torch summing a float32 tensor of `gib` GiB (far past
+    any cache) on `threads` threads, `reads` times: the rate a decode step's weight stream is held to."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(gib * 2**28, dtype=torch.float32)
+    data.sum()  # pages in
+    out = []
+    for _ in range(reads):
+        start = time.perf_counter()
+        data.sum()
+        out.append(gib * 2**30 / (time.perf_counter() - start) / 1e9)
+    return out
+
+
 def summarize(label: str, spec: dict, result: dict, bandwidth: float) -> dict:
     cap = bandwidth / decode_bytes(spec)
-    row = {"name": label, "engine": spec["engine"], "size_mib": size_on_disk(Path(spec["path"])) / 2**20, "cap": cap}
+    row = {"name": label, "engine": spec["engine"], "size_mib": size_on_disk(Path(spec["path"])) / 2**20, "cap": cap,
+           "step_gb": decode_bytes(spec) / 1e9}
     if "error" in result:
         return {**row, "error": result["error"]}
     for key in ("prefill_tps", "decode_tps", "ttft_s"):
@@ -241,17 +258,17 @@ def summarize(label: str, spec: dict, result: dict, bandwidth: float) -> dict:
 
 
 def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwidth: float) -> str:
-    lines = [header, "", "| model | engine | decode tok/s | share of cap | prefill tok/s | TTFT s | load s "
-             "| RSS above torch MiB (anonymous) | peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| model | engine | decode tok/s | GB read per token | share of cap | prefill tok/s | TTFT s "
+             "| load s | RSS above torch MiB (anonymous) | peak RSS MiB | size MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['engine']} | failed: {r['error']} | | | | | | | | |")
             continue
         f = lambda k, p=1: f"{r[k][0]:.{p}f} ({r[k][1]:.{p}f}-{r[k][2]:.{p}f})"
-        lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {r['decode_tps'][0] / r['cap']:.0%} of "
+        lines.append(f"| {r['name']} | {r['engine']} | {f('decode_tps')} | {r['step_gb']:.2f} | {r['decode_tps'][0] / r['cap']:.0%} of "
                      f"{r['cap']:.0f} | {f('prefill_tps')} | {f('ttft_s', 2)} | {r['load_s']:.2f} | {r['rss_mib']:.0f} "
                      f"({r['anon_mib']:.0f}) | {r['peak_mib']:.0f} | {r['size_mib']:.0f} |")
-    lines += ["", f"Cap: {bandwidth / 1e9:.0f} GB/s of memory bandwidth over the weight bytes one decode step reads "
+    lines += ["", f"Cap: {bandwidth / 1e9:.1f} GB/s of memory bandwidth over the weight bytes one decode step reads "
               "(all but the embedding, at the dtype the engine runs). Resident memory is measured after the "
               "runs, above a bare `import torch` in the same process (the tokenizer included); in brackets the "
               "anonymous part, the rest being pages of mapped files (shared with every process that maps them). "
@@ -289,7 +306,8 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--threads", default=os.cpu_count(), show_default=True)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table here")
 @click.option("--pair", "pairs", multiple=True, help="NAME_A=NAME_B: print A's speed over B's (repeatable)")
-@click.option("--bandwidth-gbs", default=33.0, show_default=True, help="memory bandwidth for the decode cap")
+@click.option("--bandwidth-gbs", type=float, help="memory bandwidth for the decode cap [default: the median of a plain "
+              "streaming read measured 3 times before each job]")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
 def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
@@ -317,13 +335,17 @@ def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, avx2_lib, gguf
     if avx2_lib:
         jobs += avx2_variants(jobs, avx2_lib)
     results = {label: [] for label, _ in jobs}
+    reads = []  # this machine's bandwidth moves (28-60 GB/s over one session here): read beside every job
     for label, spec in interleaved(jobs, rounds):
+        reads += [] if bandwidth_gbs else streaming_read_gbs(threads, reads=3)
         click.echo(f"bench {label} ({spec['engine']})", err=True)
         results[label].append(measure(spec))
+    bandwidth_gbs = bandwidth_gbs or statistics.median(reads)
     rows = [summarize(label, spec, pool(results[label]), bandwidth_gbs * 1e9) for label, spec in jobs]
     runs = f"{repeats} runs" if rounds == 1 else f"{rounds} x {repeats} runs (rounds interleaved, each a fresh process)"
+    read = f"; a plain streaming read {bandwidth_gbs:.1f} GB/s ({min(reads):.1f}-{max(reads):.1f})" if reads else ""
     header = (f"{threads} threads, prompt {prompt_tokens} tokens, {new_tokens} new tokens greedy, "
-              f"median (min-max) of {runs}, {time.strftime('%Y-%m-%d')}")
+              f"median (min-max) of {runs}{read}, {time.strftime('%Y-%m-%d')}")
     table = markdown(rows, header, [tuple(p.split("=", 1)) for p in pairs], bandwidth_gbs * 1e9)
     click.echo(table)
     if md_path:

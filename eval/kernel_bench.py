@@ -82,17 +82,18 @@ def cell(times: list[float]) -> str:
 def contenders(stored, fmt) -> dict:
     """NAMES -> a function of x (M, K) for this weight, where the format has that kernel."""
     q, s, z, d = stored["qweight"], stored["scales"], stored.get("zeros"), stored.get("row_scales")
+    tiled = native.tile_codes(q)  # the integer-activation products' layout, made once
     if z is None:
-        funcs = (lambda x: native.gemv_vnni(x, q, s, None, None), lambda x: native.gemv_int8(x, q, s, None),
+        funcs = (native.vnni_product(tiled, s, None), lambda x: native.gemv_int8(x, q, s, None),
                  lambda x: F.linear(x, native.dequantize_int8(q, s)))
     else:
-        funcs = (lambda x: native.gemv_vnni(x, q, s, z, None, d), lambda x: native.gemv_int4(x, q, s, z, None, d),
+        funcs = (native.vnni_product(tiled, s, z, None, d), lambda x: native.gemv_int4(x, q, s, z, None, d),
                  lambda x: F.linear(x, native.dequantize_int4(q, s, z, d)))
     out = dict(zip([n for n in NAMES if n != NAMES[1]], funcs))
     if isinstance(fmt, Int4) and fmt.group_size % 64:
         del out["bf16 x"]
     if z is not None and native.gemm_ready():
-        out[NAMES[1]] = native.gemm_int4_product(q, s, z, None, d)
+        out[NAMES[1]] = native.gemm_int4_product(tiled, s, z, None, d)
     return out
 
 
@@ -213,8 +214,7 @@ def product_of(kind: str, fmt, stored: dict):
     if fmt is None:
         return native.bf16_product(stored["weight"], None)
     if kind == "integer x":
-        return native.vnni_product(stored["qweight"], stored["scales"], stored.get("zeros"), None,
-                                   stored.get("row_scales"))
+        return native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored.get("zeros"), None, stored.get("row_scales"))
     if isinstance(fmt, Int4):
         return native.int4_product(stored["qweight"], stored["scales"], stored["zeros"], None, stored.get("row_scales"))
     return native.int8_product(stored["qweight"], stored["scales"], None)

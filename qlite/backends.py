@@ -97,8 +97,10 @@ def choose_kernel(layer, name: str):
     return next((k for k in kernels if k.supports(layer)), None)
 
 
-def use_backend(model: nn.Module, name: str = "auto") -> None:
-    """Give every linear layer of a loaded model its kernel and every module its ops, once."""
+def use_backend(model: nn.Module, name: str = "auto", release=None) -> None:
+    """Give every linear layer of a loaded model its kernel and every module its ops, once. release(t),
+    if given, is called on each layer buffer a kernel copied into a layout of its own (kernel.copies), as
+    soon as it has: the loader drops the file's pages of it, one layer at a time."""
     backend = backend_named(name)
     if backend.quantized_only and not any(isinstance(m, QuantLinear) for m in model.modules()):
         raise QliteError(f"--kernel {name}: runs quantized layers, and this is a 16-bit checkpoint (use auto, "
@@ -111,6 +113,8 @@ def use_backend(model: nn.Module, name: str = "auto") -> None:
                 raise QliteError(f"--kernel {name}: cannot run {module_name} ({mod.fmt.name}, "
                                  f"{mod.out_features}x{mod.in_features}) on {mod.qweight.device}; try --kernel auto")
             mod.kernel = None if kernel is None else kernel(mod)
+            for buffer in getattr(mod.kernel, "copies", ()) if release else ():
+                release(getattr(mod, buffer))
         if hasattr(type(mod), "ops"):
             mod.ops = ops
     for mod in model.modules():  # once every layer has its kernel

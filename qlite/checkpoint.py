@@ -160,6 +160,14 @@ class CheckpointDir:
             if info.file in self._mappings:
                 drop_pages(self._mappings[info.file].data_ptr() + info.offset, info.nbytes)
 
+    def release_view(self, t: torch.Tensor) -> None:
+        """Drop the pages of t from this process if it is a view of one of the files' mappings (a kernel
+        keeps a copy of it in another layout); anything else is left alone."""
+        nbytes = t.numel() * t.element_size()
+        for mapping in self._mappings.values():
+            if mapping.data_ptr() <= t.data_ptr() and t.data_ptr() + nbytes <= mapping.data_ptr() + mapping.nbytes():
+                drop_pages(t.data_ptr(), nbytes)
+
     def _mapping(self, path: Path) -> torch.UntypedStorage:
         if path not in self._mappings:
             self._mappings[path] = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)

@@ -153,13 +153,18 @@ class _Native:
     more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one matmul
     in native.matmul_dtype() (bf16; float32 with the AVX2 kernels), read at load."""
     max_rows = native.MAX_ROWS
+    copies = ()  # the layer's buffers this kernel keeps a copy of, in its own layout (the load drops their pages)
 
     def __init__(self, layer):
-        self.stored = {name: t.contiguous() for name, t in layer.stored().items()}  # by native's argument names
+        self.stored = self.own_buffers(layer)
         self.bias = layer.bias
         self.product = self.prepare(**self.stored, bias32=native.float_bias(layer.bias))
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.matmul_dtype = native.matmul_dtype()
+
+    @staticmethod
+    def own_buffers(layer) -> dict:
+        return {name: t.contiguous() for name, t in layer.stored().items()}  # by native's argument names
 
     def __call__(self, x):
         if sequence_rows(x) <= self.max_rows:
@@ -204,12 +209,23 @@ class _IntegerActivations:
 
 class VnniInt8(_IntegerActivations, NativeInt8):
     """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
-    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay."""
+    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay. Codes tiled (native.tile_codes),
+    a copy made at load in place of the file's."""
     name = "vnni-int8"
+    copies = ("qweight",)
+
+    @staticmethod
+    def own_buffers(layer) -> dict:
+        stored = _Native.own_buffers(layer)
+        return {**stored, "qweight": native.tile_codes(stored["qweight"])}
 
     @staticmethod
     def prepare(qweight, scales, bias32):
         return native.vnni_product(qweight, scales, None, bias32)
+
+    @staticmethod
+    def dequantize(qweight, scales, out):
+        return native.dequantize_int8(qweight, scales, out, tiled=True)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -223,26 +239,32 @@ def dequantized_for_prefill(fmt, in_features: int) -> bool:
                 and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
 
 
-class VnniInt4(_IntegerActivations, NativeInt4):
+class VnniInt4(NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
-    of 32 too (NativeInt4's own product needs 64). Past max_rows, where the CPU has it, the matrix-matrix
-    product on integer activations (native.gemm_int4_product) instead of dequantize + matmul: 1.7-3.6x
-    faster from 128 rows at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes")."""
+    of 32 too (NativeInt4's own product needs 64). Past VNNI_MAX_ROWS the matrix-matrix product on integer
+    activations (native.gemm_int4_product) instead of dequantize + matmul: 1.7-3.6x faster from 128 rows
+    at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes"). Both take the codes tiled (native.tile_codes),
+    a copy made at load in place of the file's: the decode product streams them 1.1-1.6x faster so at 7B's
+    shapes (BENCHMARKS.md)."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
+    copies = ("qweight",)
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.gemm = native.gemm_int4_product(**self.stored, bias32=self.product.bias32) if native.gemm_ready() else None
+        self.gemm = native.gemm_int4_product(**self.stored, bias32=self.product.bias32)
+
+    @staticmethod
+    def own_buffers(layer) -> dict:
+        stored = _Native.own_buffers(layer)
+        return {**stored, "qweight": native.tile_codes(stored["qweight"])}
 
     def __call__(self, x):
-        if self.gemm is None or sequence_rows(x) <= native.VNNI_MAX_ROWS:
-            return super().__call__(x)
-        return self.gemm(x).to(x.dtype)
+        return (self.product if sequence_rows(x) <= native.VNNI_MAX_ROWS else self.gemm)(x).to(x.dtype)
 
     @staticmethod
     def supports(layer) -> bool:
-        return isinstance(layer.fmt, Int4) and _on_cpu(layer) and _vnni_fits(layer)
+        return isinstance(layer.fmt, Int4) and _on_cpu(layer) and _vnni_fits(layer) and native.gemm_ready()
 
 
 class NativeBf16:

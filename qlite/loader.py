@@ -143,7 +143,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     check_stored_values(model, ckpt)
     model.tie_weights()
     model.model.rotary.to(dev)
-    use_backend(model, kernel)
+    use_backend(model, kernel, release=ckpt.release_view)
     model.kv_bits = kv_quant.KINDS[kv_cache]
     release_freed_memory()
     return model.eval()

@@ -34,6 +34,7 @@ MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector ker
 MAX_GROUPS = 1024  # common.h's MAX_GROUPS
 VNNI_MAX_ROWS = 16  # the integer-activation kernels beat dequantize + bf16 matmul up to about this many
 CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
+ROWS = 4  # common.h's ROWS: weight rows per block, the tile of tile_codes
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
@@ -42,7 +43,8 @@ SIGNATURES = {
     "qlite_gemv_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemm_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
-    "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
+    "qlite_tile_codes": [_P, _P, _L, _L, _I, _I],
+    "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _I, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
@@ -263,9 +265,24 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
             and in_features // group_size <= MAX_GROUPS)
 
 
+def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] or packed int4 codes (uint8) [N, K/2], row-major as stored -> a copy laid out as
+    the integer-activation products take them (common.h's int8_tiled / int4_tiled): each block of ROWS rows
+    chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream.
+    Same shape, same bytes, another order."""
+    int4 = qweight.dtype == torch.uint8
+    _check(qweight, torch.uint8 if int4 else torch.int8, (qweight.shape[0], qweight.shape[-1]), "qweight")
+    K = qweight.shape[1] * (2 if int4 else 1)
+    _check_rule(vnni_ready() and K % CHUNK == 0, f"K {K} is not a multiple of {CHUNK} (or no integer-activation kernels)")
+    out = torch.empty_like(qweight)
+    library().qlite_tile_codes(qweight.data_ptr(), out.data_ptr(), qweight.shape[0], K, int(int4), torch.get_num_threads())
+    return out
+
+
 def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
-    int8 for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c)."""
+    int8 for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c).
+    Codes tiled (tile_codes)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_rule(int4 or row_scales is None, "row_scales without zeros (int4k is int4)")
@@ -278,7 +295,8 @@ def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Produc
 
 
 def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32, row_scales=None) -> torch.Tensor:
-    return vnni_product(qweight, scales, zeros, bias32, row_scales)(x)
+    """vnni_product's, once, for the codes as stored (tiled here)."""
+    return vnni_product(tile_codes(qweight), scales, zeros, bias32, row_scales)(x)
 
 
 def gemm_ready() -> bool:
@@ -288,7 +306,8 @@ def gemm_ready() -> bool:
 
 def gemm_int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int4_product for many rows (prefill): x quantized to int8 per row and span of inputs (the group, at
-    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h)."""
+    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h). Codes tiled
+    (tile_codes)."""
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     _check_int4(qweight, scales, zeros, row_scales, 32)
     _check_rule(gemm_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
@@ -305,13 +324,14 @@ def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:
     return out
 
 
-def dequantize_int8(qweight, scales, out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 weights [N, K], into `out` if given."""
+def dequantize_int8(qweight, scales, out: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
+    """bf16 weights [N, K], into `out` if given; tiled: the codes as tile_codes lays them out."""
     N, K = qweight.shape
     _check_int8(qweight, scales)
+    _check_rule(not tiled or K % CHUNK == 0, f"K {K} is not a multiple of {CHUNK}: never tiled")
     out = _bf16_out(out, N, K)
-    library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, out.data_ptr(),
-                                    torch.get_num_threads())
+    library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, int(tiled),
+                                    out.data_ptr(), torch.get_num_threads())
     return out
 
 

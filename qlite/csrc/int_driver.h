@@ -5,7 +5,20 @@
  *   int_block(xq, xs, xsum, K, G, w, scales, sw, sz, int4, small, nrows, mrows, out)   out [ROWS * XTILE]
  * (always inline: the constant arguments below specialise it). */
 
-/* int4: w uint8 [N, K/2], zeros uint8 [N, G]; int8: w int8 [N, K], zeros NULL; scales fp16 [N, G] (int4k: uint8
+/* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as int8_tiled / int4_tiled
+ * (common.h) read them; native.tile_codes */
+void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4, int threads) {
+    long C = K / CHUNK, step = int4 ? CHUNK / 2 : CHUNK, row_bytes = C * step;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += ROWS) {
+        int nrows = N - n < ROWS ? (int)(N - n) : ROWS;
+        for (long c = 0; c < C; c++)
+            for (int r = 0; r < nrows; r++)
+                memcpy(dst + n * row_bytes + (c * nrows + r) * step, src + (n + r) * row_bytes + c * step, step);
+    }
+}
+
+/* int4: w uint8 [N, K/2] tiled (common.h's int4_tiled), zeros uint8 [N, G]; int8: w int8 [N, K] tiled, zeros NULL; scales fp16 [N, G] (int4k: uint8
  * codes under row_scales fp16 [N], block_fp16_scales; else row_scales NULL) */
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,

@@ -29,8 +29,8 @@ static inline void unpack_int4_tile(const uint8_t *w, const uint8_t *zeros, long
         for (long k = 0; r < nrows && k < kc; k += 64) {
             long g = (k0 + k) / gsize;  /* groups of 32: this one and the next */
             int32_t sums[2];
-            _mm_prefetch((const char *)(w + (r + ROWS) * (K / 2) + (k0 + k) / 2), _MM_HINT_T0);  /* the next tile's */
-            unpack_64_int4(w + r * (K / 2) + (k0 + k) / 2, zeros[r * G + g], zeros[r * G + (gsize == 32 ? g + 1 : g)],
+            _mm_prefetch((const char *)int4_tiled(w + ROWS * (K / 2), ROWS, r, k0 + k), _MM_HINT_T0);  /* the next tile's */
+            unpack_64_int4(int4_tiled(w, nrows, r, k0 + k), zeros[r * G + g], zeros[r * G + (gsize == 32 ? g + 1 : g)],
                            wq + r * kc + k, sums);
             wcorr[r * spans + k / span] -= 128 * sums[0];
             wcorr[r * spans + (k + 32) / span] -= 128 * sums[1];
@@ -59,7 +59,7 @@ static void quantize_gemm_activations(const uint16_t *x, long rows, long Mp, lon
     }
 }
 
-/* w uint8 [N, K/2], zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes under row_scales) */
+/* w: int4 codes [N, K/2] tiled (common.h's int4_tiled), zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes under row_scales) */
 void qlite_gemm_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK;

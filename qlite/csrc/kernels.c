@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void int_block(
     /* small: groups of 32 or 64, several per chunk. int4: lane l's 8 inputs lie in group l / (gsize / 8) of the
      * chunk, so the weight scale is a vector (lane_sw) instead of one number; int8: each of the 4 vectors'
      * 32 inputs lie in one group, so its dot product is scaled on its own */
-    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
+    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m512i lane_group = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  in_chunk == 4 ? 2 : 3);  /* l / 4 (groups of 32), l / 8 (of 64) */
@@ -215,14 +215,17 @@ static inline __attribute__((always_inline)) void int_block(
                     _mm_maskz_loadu_epi16((__mmask8)chunk_groups, scales + r * G + g))));
         __m512i wv[ROWS][4];  /* int4: 2 vectors of u8 codes (even k, odd k); int8: 4 of s16 codes */
         for (int r = 0; r < nrows; r++) {
-            const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * (int4 ? CHUNK / 2 : CHUNK);
-            prefetch_ahead(wr, wbytes);
-            if (int4) {
+            if (int4) {  /* tiled (common.h): one stream */
+                const uint8_t *wr = int4_tiled(w, nrows, r, c * CHUNK);
+                _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
                 __m512i b = _mm512_loadu_si512(wr);
+                __asm__("" : "+v"(b));  /* one load for both nibbles: loads, not arithmetic, bound this loop */
                 wv[r][0] = _mm512_and_si512(b, low);
                 wv[r][1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
             } else {
-                prefetch_ahead(wr + 64, wbytes);
+                const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);
+                _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
+                _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
                 for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
             }
         }
@@ -231,6 +234,7 @@ static inline __attribute__((always_inline)) void int_block(
             __m512i xv[4];
             for (int i = 0; i < (int4 ? 2 : 4); i++)
                 xv[i] = _mm512_loadu_si512((const uint8_t *)xq + (m * K + c * CHUNK) * (int4 ? 1 : 2) + 64 * i);
+            if (int4) __asm__("" : "+v"(xv[0]), "+v"(xv[1]));  /* loaded once for the block's rows, not per row */
             for (int r = 0; r < nrows; r++) {
                 __m512i dot = _mm512_setzero_si512();
                 if (!int4 && small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */

@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void int_rows(
         const void *xq, long xstride, const float *xs, const float *xsum, long K, long G, const void *w,
         const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows,
         float (*out)[XTILE]) {
-    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1, wbytes = int4 ? K / 2 : K;
+    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 total[ROWS][XTILE];
     for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm256_setzero_ps();
@@ -170,8 +170,8 @@ static inline __attribute__((always_inline)) void int_rows(
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
         if (int4) {
             for (int r = 0; r < nrows; r++) {
-                const uint8_t *wr = (const uint8_t *)w + r * wbytes + c * CHUNK / 2;
-                _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
+                const uint8_t *wr = int4_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
+                _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
                 __m256i b0 = _mm256_loadu_si256((const __m256i *)wr), b1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
                 __m256i lo0 = _mm256_and_si256(b0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
                 __m256i lo1 = _mm256_and_si256(b1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
@@ -198,9 +198,9 @@ static inline __attribute__((always_inline)) void int_rows(
             }
         } else {
             for (int r = 0; r < nrows; r++) {
-                const int8_t *wr = (const int8_t *)w + r * wbytes + c * CHUNK;
-                _mm_prefetch((const char *)(wr + AHEAD * wbytes), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wr + AHEAD * wbytes + 64), _MM_HINT_T0);
+                const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
+                _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
+                _mm_prefetch((const char *)(wr + TILE_AHEAD + 64), _MM_HINT_T2);
                 __m256i p[XTILE][2];
                 for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */

@@ -138,3 +138,26 @@ def test_drop_pages_releases_whole_pages_only(tmp_path):
     drop_pages(data.data_ptr() + page // 2, 10 * page)  # whole pages inside: 9 of them
     assert resident - smaps_rss_kib(path) == 9 * page // 1024
     assert torch.equal(data, expected)  # read in again from the file
+
+
+def test_int4_codes_copied_into_tiles_leave_the_mapping(tmp_path):
+    """The integer-activation int4 kernel takes its own, tiled copy of the codes (native.tile_codes): the
+    load drops the file's pages of them, so that they are not resident twice."""
+    from qlite import native
+    from qlite.kernels import VnniInt4
+    if not native.gemm_ready():
+        pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
+    src = make_checkpoint(tmp_path / "src", seed=1, hidden_size=512, intermediate_size=1536,
+                          num_attention_heads=8, num_key_value_heads=2)
+    out = tmp_path / "int4"
+    convert(src, out, bits=4, group_size=128, embed_bits=8, progress=False, report=False)
+    model = load_model(out)
+    tiled = [m for m in model.modules() if isinstance(m, QuantLinear) and isinstance(m.kernel, VnniInt4)]
+    assert tiled
+    page, stored = mmap.PAGESIZE, out / "model.safetensors"
+    whole_pages = sum((m.qweight.data_ptr() + m.qweight.numel()) // page - -(-m.qweight.data_ptr() // page)
+                      for m in tiled)
+    assert whole_pages > 50
+    assert smaps_rss_kib(stored) * 1024 <= stored.stat().st_size - whole_pages * page
+    for m in tiled:
+        assert torch.equal(m.kernel.stored["qweight"], native.tile_codes(m.qweight))  # read in again: the same codes

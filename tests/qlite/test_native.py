@@ -176,11 +176,12 @@ def test_gemm_int4_is_the_product_with_integer_activations(fmt, rows, n, K):    
     x = x.bfloat16().float()
     b = torch.randn(n, generator=gen(2))
     w = fmt.dequantize(stored, K)
-    got = native.gemm_int4_product(stored["qweight"], stored["scales"], stored["zeros"], b, stored.get("row_scales"))(x)
+    q = native.tile_codes(stored["qweight"])  # the layout it takes
+    got = native.gemm_int4_product(q, stored["scales"], stored["zeros"], b, stored.get("row_scales"))(x)
     span = min(fmt.group_size, native.CHUNK)
     assert rel_err(got, F.linear(gemm_activations(x, span), w, b)) < 2e-5  # its numerics, to fp32 rounding
     assert rel_err(got, F.linear(x, w, b)) < 5e-2  # measured 1-3e-2: the outlier's span (gemv_vnni's blocks of 8: 3-8e-3)
-    rows_alone = torch.cat([native.gemm_int4_product(stored["qweight"], stored["scales"], stored["zeros"], b,
+    rows_alone = torch.cat([native.gemm_int4_product(q, stored["scales"], stored["zeros"], b,
                                                      stored.get("row_scales"))(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(got, rows_alone)  # a row's result never depends on the rows batched with it
 
@@ -191,7 +192,7 @@ def test_gemm_int4_takes_more_rows_than_one_block():
     fmt, K = Int4(128), 256
     stored = fmt.quantize(torch.randn(24, K, generator=gen(0)))
     x = torch.randn(1100, K, generator=gen(1)).bfloat16()  # blocks of 512 rows: two and a part
-    product = native.gemm_int4_product(stored["qweight"], stored["scales"], stored["zeros"])
+    product = native.gemm_int4_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"])
     got = product(x)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got[600:700], product(x[600:700]))
@@ -218,13 +219,16 @@ def test_a_prefill_takes_the_integer_products(isa, fmt):
         assert torch.equal(kernel(x), kernel.gemm(x)) and torch.equal(kernel(x[:, :16]), integer[:, :16])
     else:
         assert torch.equal(kernel(x), integer) == (isa == "avx2")
-    assert kernel.max_rows == (native.VNNI_MAX_ROWS if isa == "avx512" else sys.maxsize)
+        assert kernel.max_rows == (native.VNNI_MAX_ROWS if isa == "avx512" else sys.maxsize)
 
 
 def test_dequantize_to_bf16_is_exact():
-    w = torch.randn(40, 256, generator=gen(0))
+    w = torch.randn(42, 256, generator=gen(0))  # a last block of 2 rows
     int8 = Int8(64).quantize(w)
     assert torch.equal(native.dequantize_int8(*int8.values()), Int8(64).dequantize(int8, 256).bfloat16())
+    if native.vnni_ready():  # the integer-activation kernel's own codes (tile_codes), for its prefill
+        tiled = native.tile_codes(int8["qweight"])
+        assert torch.equal(native.dequantize_int8(tiled, int8["scales"], tiled=True), native.dequantize_int8(*int8.values()))
     int4 = Int4(64).quantize(w)
     assert torch.equal(native.dequantize_int4(*int4.values()), Int4(64).dequantize(int4, 256).bfloat16())
 
@@ -504,3 +508,21 @@ def test_decode_attention_on_a_quantized_cache_is_attention_over_its_decoded_key
         want = F.scaled_dot_product_attention(q[None], keys[b:b + 1, :, first:pos + 1], values[b:b + 1, :, first:pos + 1],
                                               enable_gqa=True)[0].reshape(-1)
         assert rel_err(got[b], want) < 1e-2, b
+
+
+@pytest.mark.parametrize("int4", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("n", [8, 10, 3])  # whole blocks of ROWS, a partial last block, only a partial one
+def test_tile_codes_puts_each_block_chunk_by_chunk(n, int4):
+    if not native.vnni_ready():
+        pytest.skip("no integer-activation kernels")
+    K, step = 384, native.CHUNK // 2 if int4 else native.CHUNK  # 3 chunks; the bytes of one
+    q = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=gen(0)) if int4 else \
+        torch.randint(-128, 128, (n, K), dtype=torch.int8, generator=gen(0))
+    tiled, at = native.tile_codes(q).flatten().tolist(), 0
+    for block in range(0, n, native.ROWS):
+        rows = min(native.ROWS, n - block)
+        for c in range(K // native.CHUNK):
+            for r in range(rows):  # the block's rows side by side in each chunk
+                assert tiled[at:at + step] == q[block + r, c * step:(c + 1) * step].tolist()
+                at += step
+    assert at == q.numel()
