@@ -6,7 +6,7 @@ three alike. Random weights in the demo model's formats (int4-g128 decoder linea
 in int4-g64 / -g32, int4k-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
 against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
---against SOURCE.c instead times the products of another version of this instruction set's kernel file
+--against SOURCE.c (with --shapes 7b: Qwen2.5-7B's) instead times the products of another version of this instruction set's kernel file
 (built as qlite builds its own, with this checkout's headers) against the current ones, call by call
 on the same weights, streamed from memory (copies of each weight, 300 MB in all), one activation row:
 how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
@@ -220,7 +220,10 @@ def product_of(kind: str, fmt, stored: dict):
     return native.int8_product(stored["qweight"], stored["scales"], None)
 
 
-def time_against(source: Path, calls: int) -> None:
+AGAINST_7B = [("integer x", fmt, N, K) for _, fmt, N, K in SHAPES_7B] + [("integer x", Int8(None), 152064, 3584)]
+
+
+def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
     import copy
     import shutil
     import tempfile
@@ -239,7 +242,7 @@ def time_against(source: Path, calls: int) -> None:
         raise click.ClickException(f"{source}: not a kernels file for {name}")
     print(f"| product ({name}) | weight | current GB/s | {source.name} GB/s | current / {source.name} | same bits |")
     print("|---|---|---|---|---|---|")
-    for kind, fmt, N, K in AGAINST:
+    for kind, fmt, N, K in (AGAINST if shapes == "0.5b" else AGAINST_7B):
         if kind == "integer x" and not native.vnni_ready():
             continue  # AVX-512 without VNNI: no integer-activation products
         weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
@@ -287,7 +290,7 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, v
     if verify_dir:
         return time_verify(verify_dir, [int(r) for r in rows.split(",")], calls)
     if against:
-        return time_against(against, calls)
+        return time_against(against, calls, shapes)
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")

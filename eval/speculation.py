@@ -7,13 +7,18 @@ the share of proposals accepted, and whether the output is token for token plain
 - open: the built-in code tasks' prompts (code_tasks.jsonl): new code, little to copy;
 - prose: chat prose questions.
 
+--speculate DIR drafts with that checkpoint instead of prompt lookup (a draft model with the same tokenizer:
+quantized self-speculation is an 8-bit MODEL_DIR with a 4-bit DIR). --baseline DIR also decodes the same
+prompts plainly with another checkpoint in the same run (the int4-g128 model, for self-speculation's bar):
+its tokens/s and the speculative run's over it.
+
 With --gguf FILE, llama.cpp (llama-cpp-python, same threads) decodes the same prompt tokens greedily in
 the same run: its plain decode tokens/s per prompt; with --llama-lookup BIN too, llama.cpp's own
 prompt-lookup tool (`llama-lookup`, built from the same vendored source) runs the same prompt text
 greedily on that GGUF, up to as many tokens as qlite made: its decode tokens/s and acceptance.
 
-    python -m eval.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--gguf FILE
-                                          [--llama-lookup BIN]]
+    python -m eval.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--speculate DIR]
+                                          [--baseline DIR] [--gguf FILE [--llama-lookup BIN]]
 """
 from __future__ import annotations
 
@@ -63,13 +68,20 @@ def timed_decode(steps) -> tuple[list[int], float]:
     return tokens, (len(tokens) - 1) / seconds if len(tokens) > 1 and seconds > 0 else 0.0
 
 
-def qlite_pair(lm, ids: list[int], new_tokens: int, speculation) -> dict:
+def plain_decode(lm, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
     from qlite.decode import Sequence, decode_batch
     from qlite.generate import SamplingParams
 
+    seq = Sequence(ids, SamplingParams(max_new_tokens=new_tokens), lm.eos_ids, vocab_size=lm.model.config.vocab_size)
+    return timed_decode((t, e) for [(t, e)] in decode_batch(lm.model, [ids], [seq]))
+
+
+def qlite_pair(lm, ids: list[int], new_tokens: int, speculation) -> dict:
+    from qlite.decode import Sequence
+    from qlite.generate import SamplingParams
+
     params = SamplingParams(max_new_tokens=new_tokens)
-    seq = Sequence(ids, params, lm.eos_ids, vocab_size=lm.model.config.vocab_size)
-    plain, plain_tps = timed_decode((t, e) for [(t, e)] in decode_batch(lm.model, [ids], [seq]))
+    plain, plain_tps = plain_decode(lm, ids, new_tokens)
     before = (speculation.stats.proposed, speculation.stats.accepted, speculation.stats.passes)
     seq = Sequence(ids, params, lm.eos_ids, vocab_size=lm.model.config.vocab_size)
     fast, fast_tps = timed_decode(speculation.decode(lm.model, ids, seq))
@@ -118,12 +130,16 @@ def med(values: list[float]) -> str:
 @click.option("--draft-tokens", default=7, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--limit", type=int, help="at most this many prompts per set")
+@click.option("--speculate", "drafter", default="lookup", show_default=True, metavar="lookup|DIR",
+              help="the drafter: prompt lookup, or a draft model's checkpoint dir")
+@click.option("--baseline", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="also decode plainly with this checkpoint: its tokens/s, and the speculative run's over it")
 @click.option("--gguf", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="llama.cpp's plain decode of this GGUF on the same prompts, in the same run")
 @click.option("--llama-lookup", "lookup_bin", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="llama.cpp's llama-lookup binary: its prompt lookup on --gguf, the same prompts")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="also write the table here")
-def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, lookup_bin, md_path):
+def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, drafter, baseline, gguf, lookup_bin, md_path):
     import torch
 
     from qlite.pipeline import load
@@ -131,22 +147,31 @@ def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, lookup
 
     torch.set_num_threads(threads)
     lm = load(model_dir)
-    speculation = Speculation.named("lookup", lm.model, draft_tokens)
+    speculation = Speculation.named(drafter, lm.model, draft_tokens, lm.tokenizer)
+    base = load(baseline) if baseline else None
+    kind = "lookup" if drafter == "lookup" else "draft"
+    if base is not None and base.tokenizer.tok.get_vocab() != lm.tokenizer.tok.get_vocab():
+        raise click.ClickException(f"--baseline {baseline}: another tokenizer than {model_dir}'s")
     if lookup_bin and not gguf:
         raise click.ClickException("--llama-lookup runs on --gguf FILE: give both")
     llm = None
     if gguf:
         from llama_cpp import Llama
         llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
-    lines = ["| set | prompts | tokens | qlite plain tok/s | qlite lookup tok/s | lookup / plain | accepted | "
-             f"tokens per forward | identical to plain greedy |" + (" llama.cpp plain tok/s | qlite lookup / llama.cpp |" if llm else "")
-             + (" llama-lookup tok/s | its accepted | qlite lookup / llama-lookup |" if lookup_bin else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if llm else "") + ("---|---|---|" if lookup_bin else "")]
+    lines = [f"| set | prompts | tokens | qlite plain tok/s | qlite {kind} tok/s | {kind} / plain | accepted | "
+             f"tokens per forward | identical to plain greedy |"
+             + (f" {baseline.name if baseline else ''} plain tok/s | qlite {kind} / it |" if base else "")
+             + (f" llama.cpp plain tok/s | qlite {kind} / llama.cpp |" if llm else "")
+             + (f" llama-lookup tok/s | its accepted | qlite {kind} / llama-lookup |" if lookup_bin else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else "") + ("---|---|" if llm else "")
+             + ("---|---|---|" if lookup_bin else "")]
     for name, prompts in prompt_sets(sets.split(","), limit).items():
         rows = []
         for i, prompt in enumerate(prompts):
             ids = lm.prompt_ids([{"role": "user", "content": prompt}])
             row = qlite_pair(lm, ids, new_tokens, speculation)
+            if base:
+                row["base_tps"] = plain_decode(base, ids, row["tokens"])[1]
             if llm:
                 row["llama_tps"] = llama_cpp_tps(llm, ids, row["tokens"])
             if lookup_bin:
@@ -159,6 +184,8 @@ def main(model_dir, sets, new_tokens, draft_tokens, threads, limit, gguf, lookup
         line = (f"| {name} | {len(rows)} | {sum(r['tokens'] for r in rows)} | {med([r['plain_tps'] for r in rows])} | "
                 f"{med([r['spec_tps'] for r in rows])} | {med(ratio)} | {accepted:.0%} | "
                 f"{med([r['per_pass'] for r in rows])} | {sum(r['identical'] for r in rows)}/{len(rows)} |")
+        if base:
+            line += f" {med([r['base_tps'] for r in rows])} | {med([r['spec_tps'] / r['base_tps'] for r in rows])} |"
         if llm:
             line += (f" {med([r['llama_tps'] for r in rows])} | "
                      f"{med([r['spec_tps'] / r['llama_tps'] for r in rows])} |")

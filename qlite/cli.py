@@ -145,9 +145,11 @@ def speculate_options(command):
     command = click.option("--draft-tokens", type=int, default=7, show_default=True,
                            help="--speculate: at most this many proposals a forward (1-7; fewer while they are "
                                 "rejected)")(command)
-    return click.option("--speculate", metavar="lookup",
+    return click.option("--speculate", metavar="lookup|DRAFT_DIR",
                         help="speculative decoding, the same output in fewer forwards: lookup proposes what "
-                             "followed the last few tokens where they occurred before (prompt lookup)")(command)
+                             "followed the last few tokens where they occurred before (prompt lookup); a "
+                             "checkpoint dir with the same tokenizer proposes what it decodes (a draft model, "
+                             "e.g. a 4-bit copy of an 8-bit model)")(command)
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -204,7 +206,7 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
                        seed=seed, max_new_tokens=max_new_tokens, stop=tuple(stop))
     from .decode import stream_text
     from .speculate import speculation as speculating
-    speculation = speculating(speculate, lm.model, draft_tokens)
+    speculation = speculating(speculate, lm, draft_tokens)
     generated = []
     t1 = time.perf_counter()
     for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append,
@@ -255,7 +257,7 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
     import io  # lines as UTF-8, bytes that are not held as surrogates: run_chat skips such a line, not the session
     stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape") if sys.stdin else sys.stdin
     from .speculate import speculation
-    run_chat(Conversation(lm, params, context, system, speculation=speculation(speculate, lm.model, draft_tokens)), stdin, out, lambda m: click.echo(m, nl=False, err=True),
+    run_chat(Conversation(lm, params, context, system, speculation=speculation(speculate, lm, draft_tokens)), stdin, out, lambda m: click.echo(m, nl=False, err=True),
              interactive)
 
 

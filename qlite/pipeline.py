@@ -84,11 +84,12 @@ class TextModel:
 
     def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
                speculate: str | None = None, draft_tokens: int = 7, **sampling) -> Iterator[str]:
-        """speculate: "lookup" for speculative decoding (speculate.py: the same text, fewer forwards)."""
+        """speculate: "lookup" or a draft model's dir for speculative decoding (speculate.py: the same text,
+        fewer forwards)."""
         from .speculate import speculation
         ids = self.prompt_ids(prompt, chat, system)
         return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids,
-                           speculation=speculation(speculate, self.model, draft_tokens))
+                           speculation=speculation(speculate, self, draft_tokens))
 
     def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
                  speculate: str | None = None, draft_tokens: int = 7, **sampling) -> str:

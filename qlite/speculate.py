@@ -8,12 +8,17 @@ keeping the proposal iff x equals it is speculative sampling's accept-with-p(d),
 rest rule.) A rejected proposal's keys and values are left past the cache's length, overwritten next.
 
 Drafters propose up to k tokens given the sequence so far: PromptLookup (the longest recent n-gram of
-prompt + output that recurs proposes what followed it). The number proposed adapts to how many were
-accepted and what passes cost (Pacer), so text that does not repeat costs little more than plain decoding."""
+prompt + output that recurs proposes what followed it) and DraftModel (what another checkpoint with the
+same tokenizer decodes greedily: a 4-bit mix drafting for an 8-bit model of the same weights is quantized
+self-speculation). A drafter's proposals are one-hot, so a sampled run keeps plain decoding's very draws
+(the min(1, p/q) rule with a draft model's full q would take more proposals, but other draws than plain
+decoding's for a seed). The number proposed adapts to how many were accepted and what passes cost, the
+drafting included (Pacer), so text that does not repeat costs little more than plain decoding."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -42,19 +47,77 @@ class PromptLookup:
         return []
 
 
+class DraftModel:
+    """Proposes the next k tokens as a draft model decodes them greedily, one step each, in its own KV
+    cache of the sequence (kept between calls: each call rolls it back to what it shares with the sequence
+    and feeds the rest in one forward)."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.fed = model, None, []  # fed: the tokens in the cache, in order
+        self.seconds_per_token = 0.0  # what a proposal costs (the last call's), for the Pacer
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        start = time.perf_counter()
+        drafts = self._propose(tokens, k)
+        if drafts:
+            self.seconds_per_token = (time.perf_counter() - start) / len(drafts)
+        return drafts
+
+    def _propose(self, tokens: list[int], k: int) -> list[int]:
+        model, context = self.model, self.model.config.context_length
+        k = min(k, context - len(tokens))
+        if k <= 0:
+            return []
+        if self.cache is None:
+            self.cache = model.new_cache(1, min(context, len(tokens) + k + INITIAL_NEW_TOKENS), limit=context)
+        shared = 0
+        for a, b in zip(self.fed, tokens[:-1]):  # the last token is fed again: its logits are needed
+            if a != b:
+                break
+            shared += 1
+        self.cache.length = shared
+        feed, drafts = tokens[shared:], []
+        while True:
+            out = model(torch.tensor([feed], device=model.device), self.cache, last_only=True)[0]  # (1, V)
+            drafts.append(int(model.ops.argmax_rows(out)[0][0]))
+            if len(drafts) == k:
+                break
+            feed = drafts[-1:]
+        self.fed = tokens + drafts[:-1]
+        return drafts
+
+
+def draft_model(path: Path, tokenizer) -> DraftModel:
+    """A draft model's dir, loaded (its own defaults: bf16, bf16 KV cache), its tokenizer checked to be
+    `tokenizer` (the model's)."""
+    from .pipeline import load
+    if not (path / "config.json").is_file():
+        raise QliteError(f"--speculate {path}: 'lookup', or a draft model's checkpoint dir (no config.json there)")
+    draft = load(path)
+    ours, theirs = tokenizer.tok.get_vocab(), draft.tokenizer.tok.get_vocab()
+    if ours != theirs:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise QliteError(f"--speculate {path}: {path / 'tokenizer.json'} is not the model's tokenizer ({differ} "
+                         "token entries differ): a draft model must share it")
+    return DraftModel(draft.model)
+
+
 class Pacer:
     """How many tokens to propose: the k that maximises the tokens a pass is expected to yield,
     1 + a + ... + a^k (a: the chance that a proposal is taken once the ones before it were, a running
     estimate), over what a pass of 1 + k rows costs (a running mean of measured pass times per row
-    count; until measured, a step plus ROW_COST of a step per extra row). Text that does not repeat
+    count; until measured, a step plus ROW_COST of a step per extra row, plus what the drafter last took per
+    proposal). Text that does not repeat
     drives a, and so k, down to 0 (plain steps), with one proposal every PROBE passes to see whether
-    that changed."""
+    that changed, unless passes cost so much that even proposals sure to be taken would not pay (a draft
+    model as dear as the model: each probe costs its catching up as well)."""
     ROW_COST = 0.35  # an extra verify row's share of a step, before measured (the demo model, int4, 2 Zen 4 cores)
     DECAY = 0.8  # weight of the past in the running estimates
     PROBE = 8
 
-    def __init__(self, most: int = MAX_DRAFT, taken: float = 0.8):
-        self.most, self.taken = most, taken
+    def __init__(self, most: int = MAX_DRAFT, taken: float = 0.8, drafter=None):
+        self.most, self.taken, self.drafter = most, taken, drafter  # drafter.seconds_per_token, where it has one
         self.seconds: dict[int, float] = {}  # rows -> running mean of a pass's seconds
         self.idle = 0  # passes since the last proposal
 
@@ -71,15 +134,15 @@ class Pacer:
     def cost(self, rows: int) -> float:
         if rows in self.seconds:
             return self.seconds[rows]
-        step = self.seconds.get(1, 1.0)
-        return step * (1 + self.ROW_COST * (rows - 1))
+        step, drafting = self.seconds.get(1, 1.0), getattr(self.drafter, "seconds_per_token", 0.0)
+        return step * (1 + self.ROW_COST * (rows - 1)) + drafting * (rows - 1)
 
-    def best(self) -> int:
-        """The k of the most tokens per second expected."""
+    def best(self, taken: float | None = None) -> int:
+        """The k of the most tokens per second expected (at acceptance `taken`, else the running one)."""
         gains, tokens, best, best_k = 1.0, 1.0, 0.0, 0
         for k in range(0, self.most + 1):
             if k:
-                gains *= self.taken
+                gains *= self.taken if taken is None else taken
                 tokens += gains
             rate = tokens / self.cost(1 + k)
             if rate > best:
@@ -87,10 +150,13 @@ class Pacer:
         return best_k
 
     def next(self) -> int:
-        """How many to propose for the coming pass."""
+        """How many to propose for the coming pass: none until a plain step is timed (the measure of every
+        other pass; a draft model, which always proposes, would otherwise never be weighed against it)."""
+        if 1 not in self.seconds:
+            return 0
         k = self.best()
         self.idle = 0 if k else self.idle + 1
-        if self.idle >= self.PROBE:
+        if self.idle >= self.PROBE and self.best(taken=1.0):  # no probe where even sure proposals cannot pay
             k, self.idle = 1, 0
         return k
 
@@ -117,22 +183,24 @@ class Speculation:
     stats: Stats = field(default_factory=Stats)
 
     @classmethod
-    def named(cls, spec: str, model, most: int = MAX_DRAFT) -> "Speculation":
-        """--speculate lookup (a draft model's dir: not built yet, a clear error)."""
-        if spec != "lookup":
-            raise QliteError(f"--speculate {spec}: only 'lookup' (prompt lookup) is built; draft models are not yet")
+    def named(cls, spec: str, model, most: int = MAX_DRAFT, tokenizer=None) -> "Speculation":
+        """--speculate lookup, or --speculate DRAFT_DIR (checked against the model's tokenizer)."""
         if not 1 <= most <= MAX_DRAFT:
             raise QliteError(f"--draft-tokens {most}: from 1 to {MAX_DRAFT}")
         check_exact(model)
-        return cls(PromptLookup(), most)
+        if spec == "lookup":
+            return cls(PromptLookup(), most)
+        if tokenizer is None:
+            raise QliteError(f"--speculate {spec}: a draft model needs the model's tokenizer to check its own against")
+        return cls(draft_model(Path(spec).expanduser(), tokenizer), most)
 
     def decode(self, model, prompt: list[int], seq) -> Iterator[tuple[int, list]]:
         return decode_speculative(model, prompt, seq, self.drafter, self.most, self.stats)
 
 
-def speculation(spec: str | None, model, most: int = MAX_DRAFT) -> Speculation | None:
-    """--speculate / speculate=: a Speculation, or None when not asked for."""
-    return None if spec is None else Speculation.named(spec, model, most)
+def speculation(spec: str | None, lm, most: int = MAX_DRAFT) -> Speculation | None:
+    """--speculate / speculate=: a Speculation for the pipeline's TextModel lm, or None when not asked for."""
+    return None if spec is None else Speculation.named(spec, lm.model, most, lm.tokenizer)
 
 
 def check_exact(model) -> None:
@@ -160,7 +228,7 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
         raise QliteError(f"prompt is {len(prompt)} tokens, the model's context is {context}")
     capacity = min(context, len(prompt) + seq.params.max_new_tokens)
     cache = model.new_cache(1, min(capacity, len(prompt) + INITIAL_NEW_TOKENS), limit=capacity)
-    stats, pacer, tokens = stats or Stats(), Pacer(min(most, MAX_DRAFT)), list(prompt)
+    stats, pacer, tokens = stats or Stats(), Pacer(min(most, MAX_DRAFT), drafter=drafter), list(prompt)
     out, draft, start = model(torch.tensor([prompt], device=model.device), cache, last_only=True)[0], [], 0  # (1, V)
     while True:
         top, finite = model.ops.argmax_rows(out)
@@ -183,9 +251,9 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
             return
         # the last token the context or the budget allows is picked whatever was proposed for it
         k = min(pacer.next(), capacity - len(tokens) - 1, seq.params.max_new_tokens - seq.generated - 1)
+        t0 = time.perf_counter()  # a pass's cost: the drafting and the verify forward
         draft = drafter.propose(tokens, k) if k > 0 else []
         feed, start = torch.tensor([[seq.token, *draft]], device=model.device), cache.length
-        t0 = time.perf_counter()
         out = model(feed, cache, exact=bool(draft))[0]  # (1 + len(draft), V)
         pacer.timed(feed.shape[1], time.perf_counter() - t0)
         stats.passes += 1

@@ -29,3 +29,19 @@ def test_the_table_on_a_tiny_model(tmp_path):
     rows = [line for line in r.output.splitlines() if line.startswith(("| code-edit", "| open", "| prose"))]
     assert len(rows) == 3 and all(row.rstrip(" |").endswith("2/2") for row in rows)
     assert (tmp_path / "t.md").read_text().startswith("| set |")
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+def test_the_table_with_a_draft_model_and_a_baseline(tmp_path):
+    """Quantized self-speculation's row: the int8 model, its int4 copy drafting, the int4 one's plain speed."""
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path / "bf16", **{**NATIVE_WIDTHS, "max_position_embeddings": 4096})
+    int8 = convert(src, tmp_path / "int8", bits=8, progress=False, report=False).out_dir
+    int4 = convert(src, tmp_path / "int4", bits=4, group_size=64, progress=False, report=False).out_dir
+    r = CliRunner().invoke(main, [str(int8), "--sets", "code-edit", "--limit", "2", "--new-tokens", "12",
+                                  "--threads", "1", "--speculate", str(int4), "--baseline", str(int4)])
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.output.splitlines() if line.startswith("| set"))
+    assert "qlite draft tok/s" in header and "int4 plain tok/s | qlite draft / it |" in header
+    row = next(line for line in r.output.splitlines() if line.startswith("| code-edit"))
+    assert "| 2/2 |" in row and len(row.split("|")) == len(header.split("|"))

@@ -1,6 +1,10 @@
 """Speculative decoding: the verify forward's logits bit for bit what one-token steps give (every kind of
 product, quantized caches, both instruction sets), so speculative output is plain decoding's, greedy and
 sampled; the cache rolled back past rejected proposals; the drafter and the pacer; the CLI."""
+import json
+import shutil
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +14,8 @@ from qlite.decode import Sequence, decode_batch, stream_text
 from qlite.errors import QliteError
 from qlite.generate import SamplingParams
 from qlite.loader import load_model
-from qlite.speculate import MAX_DRAFT, Pacer, PromptLookup, Speculation, Stats, decode_speculative
+from qlite.speculate import MAX_DRAFT, DraftModel, Pacer, PromptLookup, Speculation, Stats, decode_speculative
+from qlite.tokenizer import Tokenizer
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
@@ -125,6 +130,55 @@ def test_the_context_and_token_budget_bound_the_proposals(ckpts):
     assert len(budget) == 3
 
 
+@needs_native
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
+                                   SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=3, max_new_tokens=40)],
+                         ids=["greedy", "sampled"])
+def test_a_4bit_draft_model_speculates_for_the_8bit_model_exactly(ckpts, params, monkeypatch):
+    """Quantized self-speculation: the int4 checkpoint of the same weights proposes, the int8 one decides;
+    its output is the int8 model's own. (Passes cost what the pacer's model says, not what they take here:
+    on these tiny models a draft step costs as much as the model's, and the pacer would rightly not propose.)"""
+    monkeypatch.setattr(Pacer, "cost", lambda self, rows: 1 + Pacer.ROW_COST * (rows - 1))
+    model = load_model(ckpts["int8"])
+    plain, _ = decode(model, [3, 4, 5, 6], params)
+    spec = Speculation.named(str(ckpts["int4"]), model, tokenizer=Tokenizer(ckpts["int8"]))
+    assert isinstance(spec.drafter, DraftModel)
+    fast, seq = decode(model, [3, 4, 5, 6], params, spec)
+    assert fast == plain and seq.generated == len(plain)
+    assert spec.stats.proposed > 0 and (spec.stats.accepted > 0 or params.temperature)
+
+
+@needs_native
+def test_a_draft_models_cache_follows_the_sequence_it_is_asked_about(ckpts):
+    """The first proposals are the draft model's own greedy continuation; later ones come from its cache
+    rolled back to what the new sequence shares with the old, so what the old one held past that cannot
+    matter: two drafts that saw different sequences with the same shared part propose the same. (A fresh
+    draft may not: it feeds the shared part in another forward, whose roundings differ.)"""
+    draft = load_model(ckpts["int4"])
+    greedy, _ = decode(draft, [3, 4, 5, 6, 7], SamplingParams(max_new_tokens=4), eos=())
+    assert DraftModel(draft).propose([3, 4, 5, 6, 7], 4) == greedy
+    for before_a, before_b, now in (([3, 4, 5, 9, 9, 9, 9], [3, 4, 5, 1, 2], [3, 4, 5, 6, 7]),
+                                    ([3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 1], [3, 4, 5, 6, 7, 8, 20, 21])):
+        a, b = DraftModel(draft), DraftModel(draft)
+        a.propose(before_a, 5), b.propose(before_b, 2)
+        assert a.propose(now, 4) == b.propose(now, 4)
+        assert a.fed[:len(now)] == now
+    assert a.propose(list(range(3, 20)), 0) == []
+
+
+@needs_native
+def test_a_draft_model_with_another_tokenizer_is_refused(ckpts, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(ckpts["int4"], other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: same size, another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(QliteError, match=r"tokenizer.json is not the model's tokenizer \(4 token entries differ\)"):
+        Speculation.named(str(other), load_model(ckpts["int8"]), tokenizer=Tokenizer(ckpts["int8"]))
+
+
 def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest [1, 2, 3]
@@ -136,6 +190,10 @@ def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match():
 
 def test_the_pacer_follows_acceptance_and_cost():
     pacer = Pacer(7)
+    assert pacer.next() == 0  # a plain step first: what every pass is weighed against
+    pacer.timed(1, 0.01)
+    assert pacer.next() > 0
+    pacer.seconds = {}
     for _ in range(10):
         pacer.update(7, 7)
     assert pacer.taken > 0.95 and pacer.best() == 7  # at a step plus 0.35 a row, all 7 pay
@@ -153,11 +211,22 @@ def test_the_pacer_follows_acceptance_and_cost():
     assert pacer.taken < 0.02
 
 
+def test_the_pacer_counts_what_a_draft_model_takes_per_proposal():
+    """A draft that costs a step per token never pays, however often it is right; a cheap one does."""
+    draft = SimpleNamespace(seconds_per_token=0.01)
+    pacer = Pacer(7, taken=0.95, drafter=draft)
+    pacer.timed(1, 0.01)
+    assert pacer.best() == 0 and pacer.best(taken=1.0) == 0
+    assert [pacer.next() for _ in range(3 * Pacer.PROBE)] == [0] * 3 * Pacer.PROBE  # nor any probe
+    draft.seconds_per_token = 0.001
+    assert pacer.best() > 0
+
+
 def test_speculation_is_refused_where_the_verify_pass_is_not_exact(ckpts):
     with pytest.raises(QliteError, match="--speculate: needs qlite's native CPU kernels"):
         Speculation.named("lookup", load_model(ckpts["int4"], kernel="reference"))
-    with pytest.raises(QliteError, match="--speculate other/dir: only 'lookup'"):
-        Speculation.named("other/dir", load_model(ckpts["int4"]))
+    with pytest.raises(QliteError, match="--speculate other/dir: 'lookup', or a draft model's checkpoint dir"):
+        Speculation.named("other/dir", load_model(ckpts["int4"]), tokenizer=Tokenizer(ckpts["int4"]))
     with pytest.raises(QliteError, match=f"--draft-tokens 9: from 1 to {MAX_DRAFT}"):
         Speculation.named("lookup", load_model(ckpts["int4"]), most=9)
 
@@ -171,7 +240,13 @@ def test_generate_with_speculation_prints_plain_generates_text(ckpts, capsys):
     out = capsys.readouterr()
     assert out.out == plain and "speculation:" in out.err and "tokens per forward" in out.err
     assert main([*args, "--speculate", "draft/dir"]) == 1
-    assert "--speculate draft/dir: only 'lookup'" in capsys.readouterr().err
+    assert "--speculate draft/dir: 'lookup', or a draft model's checkpoint dir" in capsys.readouterr().err
+    draft = ["generate", "-m", str(ckpts["int8"]), *args[3:]]  # the int8 model, its int4 copy drafting
+    assert main(draft) == 0
+    plain = capsys.readouterr().out
+    assert main([*draft, "--speculate", str(ckpts["int4"]), "--stats"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "speculation:" in out.err
 
 
 @needs_native
@@ -206,10 +281,11 @@ def test_chat_with_speculation_replies_as_without(ckpts):
 @pytest.mark.demo
 def test_the_demo_model_edits_code_speculatively_as_it_does_plainly(demo_int4, monkeypatch):
     """The real model on one code-edit prompt, 32 greedy tokens: the same tokens, proposals taken. The
-    pacer's costs stay its model's (Pacer.ROW_COST), not this machine's timings: under a loaded test run a
+    pacer is fed its own cost model's timings (Pacer.ROW_COST), not this machine's: under a loaded test run a
     slow pass made it stop proposing (CI ran beside other jobs)."""
     from eval.speculation import prompt_sets
-    monkeypatch.setattr(Pacer, "timed", lambda self, rows, seconds: None)
+    timed = Pacer.timed
+    monkeypatch.setattr(Pacer, "timed", lambda self, rows, seconds: timed(self, rows, 1 + Pacer.ROW_COST * (rows - 1)))
     from qlite.pipeline import load
     lm = load(demo_int4)
     ids = lm.prompt_ids([{"role": "user", "content": prompt_sets(["code-edit"], 1)["code-edit"][0]}])
