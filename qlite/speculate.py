@@ -91,16 +91,16 @@ class DraftModel:
 def draft_model(path: Path, tokenizer) -> DraftModel:
     """A draft model's dir, loaded (its own defaults: bf16, bf16 KV cache), its tokenizer checked to be
     `tokenizer` (the model's)."""
-    from .pipeline import load
+    from .loader import load_model
+    from .tokenizer import Tokenizer
     if not (path / "config.json").is_file():
         raise QliteError(f"--speculate {path}: 'lookup', or a draft model's checkpoint dir (no config.json there)")
-    draft = load(path)
-    ours, theirs = tokenizer.tok.get_vocab(), draft.tokenizer.tok.get_vocab()
+    ours, theirs = tokenizer.tok.get_vocab(), Tokenizer(path).tok.get_vocab()
     if ours != theirs:
         differ = len(set(ours.items()) ^ set(theirs.items()))
         raise QliteError(f"--speculate {path}: {path / 'tokenizer.json'} is not the model's tokenizer ({differ} "
                          "token entries differ): a draft model must share it")
-    return DraftModel(draft.model)
+    return DraftModel(load_model(path))
 
 
 class Pacer:
