@@ -207,17 +207,21 @@ class _IntegerActivations:
         self.max_rows = native.vnni_max_rows()
 
 
-class VnniInt8(_IntegerActivations, NativeInt8):
-    """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
-    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay. Codes tiled (native.tile_codes),
-    a copy made at load in place of the file's."""
-    name = "vnni-int8"
+class _TiledCodes:
+    """The integer-activation products take their codes tiled (native.tile_codes): a copy made at load in
+    place of the file's, whose pages the load then drops."""
     copies = ("qweight",)
 
     @staticmethod
     def own_buffers(layer) -> dict:
         stored = _Native.own_buffers(layer)
         return {**stored, "qweight": native.tile_codes(stored["qweight"])}
+
+
+class VnniInt8(_TiledCodes, _IntegerActivations, NativeInt8):
+    """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
+    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay. Codes tiled (_TiledCodes)."""
+    name = "vnni-int8"
 
     @staticmethod
     def prepare(qweight, scales, bias32):
@@ -239,7 +243,7 @@ def dequantized_for_prefill(fmt, in_features: int) -> bool:
                 and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
 
 
-class VnniInt4(NativeInt4):
+class VnniInt4(_TiledCodes, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
     of 32 too (NativeInt4's own product needs 64). Past VNNI_MAX_ROWS the matrix-matrix product on integer
     activations (native.gemm_int4_product) instead of dequantize + matmul: 1.7-3.6x faster from 128 rows
@@ -248,16 +252,10 @@ class VnniInt4(NativeInt4):
     shapes (BENCHMARKS.md)."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
-    copies = ("qweight",)
 
     def __init__(self, layer):
         super().__init__(layer)
         self.gemm = native.gemm_int4_product(**self.stored, bias32=self.product.bias32)
-
-    @staticmethod
-    def own_buffers(layer) -> dict:
-        stored = _Native.own_buffers(layer)
-        return {**stored, "qweight": native.tile_codes(stored["qweight"])}
 
     def __call__(self, x):
         return (self.product if sequence_rows(x) <= native.VNNI_MAX_ROWS else self.gemm)(x).to(x.dtype)
