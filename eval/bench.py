@@ -42,7 +42,7 @@ def _result(load_s: float, runs: list[dict], before: tuple[int, int]) -> dict:
 
 def run_qlite(spec: dict) -> dict:
     import torch
-    from qlite.decode import generate_tokens
+    from qlite.decode import Sequence, Shaping, decode_batch, generate_tokens
     from qlite.generate import SamplingParams
     from qlite.pipeline import load
 
@@ -54,10 +54,20 @@ def run_qlite(spec: dict) -> dict:
     load_s = time.perf_counter() - t
     prompt = _prompt_ids(lm.tokenizer.encode, spec["prompt_tokens"])
     runs = []
+    grammar = None
+    if spec.get("json_schema"):  # decoding under a grammar: what the mask costs a step
+        from qlite.constrain import json_schema_grammar
+        grammar = json_schema_grammar(json.loads(Path(spec["json_schema"]).read_text()))
+        lm.constraint(grammar)  # llguidance's view of the tokenizer, built once (about a second), not timed
     for _ in range(spec["repeats"]):
         params = SamplingParams(max_new_tokens=spec["new_tokens"])
         t0 = time.perf_counter()
-        it = generate_tokens(lm.model, [prompt], params, eos_ids=())
+        if grammar is None:
+            it = generate_tokens(lm.model, [prompt], params, eos_ids=())
+        else:
+            seq = Sequence(prompt, params, (), None, lm.model.device, lm.model.config.vocab_size,
+                           Shaping(constraint=lm.constraint(grammar)))
+            it = (token for [(token, _)] in decode_batch(lm.model, [prompt], [seq]))
         next(it)
         ttft = time.perf_counter() - t0
         n = sum(1 for _ in it)
@@ -291,6 +301,8 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
 @click.option("--kernels", default="", help="also run each dir with these --kernel backends: native-a16,aten")
 @click.option("--kv-caches", default="", help="also run each dir with these --kv-cache kinds: int8,int4")
 @click.option("--torch-kernels", is_flag=True, help="also run each dir with QLITE_NATIVE=0 (torch's own kernels)")
+@click.option("--json-schema", type=click.Path(path_type=Path, dir_okay=False),
+              help="also run each dir decoding under this JSON schema (constrained decoding's cost)")
 @click.option("--avx2", "avx2_lib", type=click.Path(path_type=Path, file_okay=False),
               help="also run every qlite and llama.cpp model as on an AVX2 CPU: qlite with its AVX2 kernels and "
                    "torch limited to AVX2, llama.cpp with the libraries in this dir (llama-cpp-python built with "
@@ -310,7 +322,7 @@ def markdown(rows: list[dict], header: str, pairs: list[tuple[str, str]], bandwi
               "streaming read measured 3 times before each job]")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--child", hidden=True)
-def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
+def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, json_schema, avx2_lib, gguf, llama_cpp_from, prompt_tokens, new_tokens, repeats, rounds,
          threads, md_path, pairs, bandwidth_gbs, json_path, child):
     if child:
         spec = json.loads(child)
@@ -323,6 +335,9 @@ def main(model_dirs, hf, fp32, kernels, kv_caches, torch_kernels, avx2_lib, gguf
                                                         "dtype": "float32", **common}))
     jobs += kernel_variants(model_dirs, kernels, common)
     jobs += kv_cache_variants(model_dirs, kv_caches, common)
+    if json_schema:
+        jobs += [(f"{d.name} json-schema", {"engine": "qlite", "path": str(d), "json_schema": str(json_schema.resolve()),
+                                            **common}) for d in model_dirs]
     if torch_kernels:
         jobs += [(f"{d.name} torch-kernels",
                   {"engine": "qlite", "path": str(d), "env": {"QLITE_NATIVE": "0"}, **common}) for d in model_dirs]

@@ -1,13 +1,16 @@
 """Load on `qlite serve`: concurrent streaming clients, bounded in requests and time.
 
     python -m eval.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--rounds 3] [--markdown F]
+        [--speculate lookup|DRAFT_DIR] [--prompts asks|code-edit]
     python -m eval.serve_load -m DIR --soak [--requests 200]
 
 Starts the server (a subprocess, 2 threads unless --threads), waits for /health, then per client
 count runs that many clients, each streaming chat completions of different prompts one after
 another until --requests are done: aggregate decode rate = completion tokens / wall time. --rounds
 repeats the client counts in turn (so drift in the machine's speed hits them alike) and reports the
-median (min-max) rate and ratio to 1 client over the rounds. --soak:
+median (min-max) rate and ratio to 1 client over the rounds. --speculate: a second server with
+`qlite serve --speculate`, loaded beside the first and run in turn with it (the same client counts
+each round), its rate also as a ratio to the plain server's. --soak:
 8 clients, random max_tokens, some clients leaving mid-stream and 1 request in 10 hostile (HOSTILE:
 malformed JSON and fields, a lone surrogate, an out-of-range seed, deep JSON, an oversized body,
 unknown routes, a connection that sends nothing or half a request); checks every good request is
@@ -35,6 +38,22 @@ import click
 TOPICS = ["a prime test", "binary search", "a stack class", "reversing a string", "fizzbuzz", "a linked list",
           "merging two sorted lists", "counting words", "a palindrome check", "factorial", "gcd", "a queue class",
           "flattening a list", "a matrix product", "the median of a list", "run-length encoding"]
+ASKS = [f"Write a short Python function for {topic}." for topic in TOPICS]
+
+
+FOLLOW_UPS = ["Now add type hints.", "Now add a docstring.", "Now write one test for it."]
+
+
+def prompt_set(name: str) -> list:
+    """The prompts of a load: asks (a short function per topic: open generation), chat (each ask
+    followed by FOLLOW_UPS, the history re-sent every turn) or code-edit (eval.speculation's: code to
+    return with a change, where prompt lookup proposes well)."""
+    if name == "asks":
+        return ASKS
+    if name == "chat":
+        return [[ask, *FOLLOW_UPS] for ask in ASKS]
+    from eval.speculation import prompt_sets
+    return prompt_sets([name], None)[name]
 
 
 def free_port() -> int:
@@ -50,15 +69,17 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | None = None) -> dict:
-    """One greedy streaming request; returns completion tokens, time to first token, status, text."""
+def stream_chat(port: int, content: str | list[dict], max_tokens: int, leave_after: int | None = None) -> dict:
+    """One greedy streaming request (a user message, or a whole conversation); returns completion tokens,
+    time to first token, the gaps between content chunks, status, text."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"messages": [{"role": "user", "content": f"Write a short Python function for {content}."}],
+    body = {"messages": [{"role": "user", "content": content}] if isinstance(content, str) else content,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
-    out = {"status": r.status, "tokens": 0, "ttft": None, "done": False, "text": ""}
+    out = {"status": r.status, "tokens": 0, "ttft": None, "done": False, "text": "", "gaps": []}
+    last = None
     if r.status != 200:
         r.read()
         conn.close()
@@ -78,7 +99,11 @@ def stream_chat(port: int, content: str, max_tokens: int, leave_after: int | Non
         event = json.loads(data)
         events += 1
         if event.get("choices") and event["choices"][0]["delta"].get("content"):
-            out["ttft"] = out["ttft"] or time.perf_counter() - t0
+            now = time.perf_counter()
+            out["ttft"] = out["ttft"] or now - t0
+            if last is not None:
+                out["gaps"].append(now - last)
+            last = now
             out["text"] += event["choices"][0]["delta"]["content"]
         if event.get("usage"):
             out["tokens"] = event["usage"]["completion_tokens"]
@@ -94,7 +119,7 @@ HI = [{"role": "user", "content": "hi"}]
 HOSTILE = [  # (name, request bytes after the request line's path, what must come back)
     ("not json", b"{not json", 400), ("messages not a list", {"messages": "hi"}, 400),
     ("temperature -1", {"messages": HI, "temperature": -1}, 400),
-    ("unknown model", {"model": "nope", "messages": HI}, 400),
+    ("unknown model", {"model": "nope", "messages": HI}, 404),
     ("max_tokens past the context", {"messages": HI, "max_tokens": 10 ** 7}, 400),
     ("lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
     ("seed 2**64", {"messages": HI, "seed": 2 ** 64}, 400),
@@ -135,7 +160,11 @@ def hostile_request(port: int, kind: int) -> bool:
         return False
 
 
-def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadline: float) -> dict:
+def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadline: float,
+                prompts: list = ASKS) -> dict:
+    """`clients` threads take the prompts in turn until `requests` are answered. A prompt is a user
+    message, or a conversation's user turns (a list): each turn a request that re-sends the history
+    with the answers so far, as chat front-ends do."""
     todo = list(range(requests))
     lock = threading.Lock()
     results = []
@@ -146,7 +175,15 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
                 if not todo:
                     return
                 i = todo.pop()
-            results.append(stream_chat(port, TOPICS[i % len(TOPICS)], max_tokens))
+            prompt = prompts[i % len(prompts)]
+            if isinstance(prompt, str):
+                results.append(stream_chat(port, prompt, max_tokens))
+                continue
+            history = []
+            for turn in prompt:
+                history.append({"role": "user", "content": turn})
+                results.append(stream_chat(port, history, max_tokens))
+                history.append({"role": "assistant", "content": results[-1]["text"]})
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -157,8 +194,11 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = sorted(g for r in results for g in r["gaps"])
     return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(ttfts) if ttfts else None,
+            "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            "itl_p95_ms": 1000 * gaps[int(len(gaps) * 0.95)] if gaps else None,
             "all_done": all(r["done"] for r in results)}
 
 
@@ -169,7 +209,7 @@ def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
         roll = rng.random()
         hostile += roll < 0.1  # the hostile kinds in turn
         plan.append(("bad", hostile - 1) if roll < 0.1 else ("leave", rng.randint(1, 6)) if roll < 0.25 else
-                    ("good", (rng.choice(TOPICS), rng.randint(4, 96))))
+                    ("good", (rng.choice(ASKS), rng.randint(4, 96))))
     alone = {arg: stream_chat(port, *arg)["text"] for kind, arg in plan if kind == "good"}  # one at a time
     lock = threading.Lock()
     tally = {"good": 0, "good_answered": 0, "good_exact": 0, "bad": 0, "bad_400": 0, "left": 0, "other": [],
@@ -189,7 +229,7 @@ def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
                     if not ok:
                         tally["bad_missed"].append(HOSTILE[arg % len(HOSTILE)][0])
             elif kind == "leave":
-                stream_chat(port, rng.choice(TOPICS), 64, leave_after=arg)
+                stream_chat(port, rng.choice(ASKS), 64, leave_after=arg)
                 with lock:
                     tally["left"] += 1
             else:
@@ -210,10 +250,14 @@ def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
 
 
 def health(port: int) -> dict:
+    """/health's answer; OSError until the server answers 200 (llama-server: 503 while it loads)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     conn.request("GET", "/health")
-    body = json.loads(conn.getresponse().read())
+    r = conn.getresponse()
+    body = json.loads(r.read())
     conn.close()
+    if r.status != 200:
+        raise OSError(f"/health: {r.status}")
     return body
 
 
@@ -229,76 +273,125 @@ def health(port: int) -> dict:
 @click.option("--soak", "soak_mode", is_flag=True)
 @click.option("--dtype", default="auto", show_default=True, help="the server's --dtype")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
-def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, dtype, md_path):
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen([sys.executable, "-m", "qlite", "serve", "-m", str(model_dir), "--port", str(port),
-                               "--max-batch", str(max_batch), "--threads", str(threads), "--ctx", "2048",
-                               "--timeout", "3", "--dtype", dtype], stderr=log)
+@click.option("--speculate", help="also a server with --speculate this, run in turn with the plain one")
+@click.option("--prompts", type=click.Choice(["asks", "chat", "code-edit"]), default="asks", show_default=True,
+              help="the user messages: a short function per topic, multi-turn chats on them (a request per "
+                   "turn), or eval.speculation's code edits")
+@click.option("--llama-server", "llama_server", type=click.Path(exists=True, path_type=Path),
+              help="llama.cpp's llama-server binary: also run the load against it (with --gguf), -np max-batch -cb")
+@click.option("--gguf", type=click.Path(exists=True, path_type=Path), help="the GGUF llama-server serves")
+def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, dtype, md_path,
+         speculate, prompts, llama_server, gguf):
+    if soak_mode and (speculate or llama_server):
+        raise click.UsageError("--soak runs one server: drop --speculate and --llama-server")
+    if bool(llama_server) != bool(gguf):
+        raise click.UsageError("--llama-server and --gguf go together")
+    # the soak checks answers bit for bit against each alone: the prompt cache, whose reuse can move a
+    # logit's last bits (prompt_cache.py) and which hits as timing decides, is off for it
+    servers = [start_server(model_dir, max_batch, threads, dtype, ["--prompt-cache-mib", "0"] if soak_mode else [],
+                            "plain")]
+    if speculate:
+        servers.append(start_server(model_dir, max_batch, threads, dtype, ["--speculate", speculate],
+                                    f"--speculate {speculate}"))
+    if llama_server:
+        servers.append(start_server(None, max_batch, threads, dtype, [], "llama-server", peer=(llama_server, gguf)))
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                health(port)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise SystemExit("the server did not start")
-                time.sleep(0.5)
-        warm = [threading.Thread(target=stream_chat, args=(port, t, 16)) for t in TOPICS[:8]]
-        for t in warm:  # a first batch: torch's one-time allocations for batched steps happen here
-            t.start()
-        for t in warm:
-            t.join()
-        time.sleep(1.0)
-        idle = rss_mib(server.pid)
-        lines = []
-        if soak_mode:
-            t0 = time.perf_counter()
-            tally = soak(port, server.pid, requests)
-            time.sleep(1.0)
-            after = rss_mib(server.pid)
-            state = health(port)
-            lines.append(f"soak: {requests} requests from 8 clients in {time.perf_counter() - t0:.0f} s: "
-                         f"{tally['good_answered']}/{tally['good']} good answered, {tally['good_exact']}/{tally['good']} "
-                         f"as alone, {tally['bad_400']}/{tally['bad']} bad got their 4xx, {tally['left']} left "
-                         f"mid-stream; server RSS idle {idle:.0f} MiB, after {after:.0f} MiB; active {state['active']}, "
-                         f"waiting {state['waiting']}")
-            if tally["other"]:
-                lines.append(f"unanswered: {tally['other'][:3]}")
-            if tally["bad_missed"]:
-                lines.append(f"hostile requests not refused as they must be: {sorted(set(tally['bad_missed']))}")
-        else:
-            counts = [int(c) for c in clients.split(",")]
-            runs = [[run_clients(port, c, requests, max_tokens, time.time() + time_limit) for c in counts]
-                    for _ in range(rounds)]  # runs[round][count]
-
-            def spread(values, fmt):
-                text = fmt.format(statistics.median(values))
-                return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-            lines += [f"{rounds} round(s); median (min-max) over the rounds",
-                      "| clients | requests | completion tokens | aggregate tokens/s | vs 1 client | "
-                      "median time to first token (s) |", "|---|---|---|---|---|---|"]
-            for i, c in enumerate(counts):
-                rates = [run[i]["tokens_per_s"] for run in runs]
-                ratios = [run[i]["tokens_per_s"] / run[0]["tokens_per_s"] for run in runs]
-                ttft = statistics.median(run[i]["ttft_median_s"] or float("nan") for run in runs)
-                lines.append(f"| {c} | {runs[0][i]['requests']} | {runs[0][i]['tokens']} | {spread(rates, '{:.1f}')} | "
-                             f"{spread(ratios, '{:.2f}x')} | {ttft:.2f} |")
-            lines.append(f"\nserver RSS idle {idle:.0f} MiB, after the runs {rss_mib(server.pid):.0f} MiB")
-        server.send_signal(signal.SIGINT)
-        rc = server.wait(120)
-        log.seek(0)
-        lines.append(f"Ctrl-C: exit status {rc}; server log: {log.read().count('Traceback')} tracebacks")
+        lines = loads(servers, clients, requests, max_tokens, time_limit, rounds, soak_mode, prompt_set(prompts))
+        for server, log, _, name in servers:
+            server.send_signal(signal.SIGINT)
+            rc = server.wait(120)
+            log.seek(0)
+            lines.append(f"Ctrl-C{f' ({name})' if len(servers) > 1 else ''}: exit status {rc}; server log: "
+                         f"{log.read().count('Traceback')} tracebacks")
     finally:
-        if server.poll() is None:
-            server.kill()
+        for server, *_ in servers:
+            if server.poll() is None:
+                server.kill()
     text = "\n".join(lines)
     click.echo(text)
     if md_path:
         md_path.write_text(text + "\n")
 
+
+def start_server(model_dir, max_batch: int, threads: int, dtype: str, extra: list[str], name: str,
+                 peer: tuple | None = None) -> tuple:
+    """(process, its log, port, name) of a `qlite serve` (or, peer = (llama-server, gguf), of llama.cpp's
+    server with as many slots and the same context per slot, continuous batching on) that answers
+    /health and has decoded a first batch."""
+    port, log = free_port(), tempfile.TemporaryFile(mode="w+")
+    command = [sys.executable, "-m", "qlite", "serve", "-m", str(model_dir), "--port", str(port), "--max-batch",
+               str(max_batch), "--threads", str(threads), "--ctx", "2048", "--timeout", "3", "--dtype", dtype, *extra]
+    if peer:
+        command = [str(peer[0]), "-m", str(peer[1]), "--port", str(port), "-np", str(max_batch), "-cb", "-t",
+                   str(threads), "-c", str(2048 * max_batch)]
+    server = subprocess.Popen(command, stderr=log, stdout=log)
+    deadline = time.time() + 300
+    while True:
+        try:
+            health(port)
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                log.seek(0)
+                raise SystemExit(f"the server did not start: {log.read()[-500:]}")
+            time.sleep(0.5)
+    warm = [threading.Thread(target=stream_chat, args=(port, t, 16)) for t in ASKS[:8]]
+    for t in warm:  # a first batch: torch's one-time allocations for batched steps happen here
+        t.start()
+    for t in warm:
+        t.join()
+    return server, log, port, name
+
+
+def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, time_limit: float, rounds: int,
+          soak_mode: bool, prompts: list[str]) -> list[str]:
+    time.sleep(1.0)
+    idle = [rss_mib(server.pid) for server, *_ in servers]
+    if soak_mode:
+        server, _, port, _ = servers[0]
+        t0 = time.perf_counter()
+        tally = soak(port, server.pid, requests)
+        time.sleep(1.0)
+        after = rss_mib(server.pid)
+        state = health(port)
+        lines = [f"soak: {requests} requests from 8 clients in {time.perf_counter() - t0:.0f} s: "
+                 f"{tally['good_answered']}/{tally['good']} good answered, {tally['good_exact']}/{tally['good']} "
+                 f"as alone, {tally['bad_400']}/{tally['bad']} bad got their 4xx, {tally['left']} left "
+                 f"mid-stream; server RSS idle {idle[0]:.0f} MiB, after {after:.0f} MiB; active {state['active']}, "
+                 f"waiting {state['waiting']}"]
+        if tally["other"]:
+            lines.append(f"unanswered: {tally['other'][:3]}")
+        if tally["bad_missed"]:
+            lines.append(f"hostile requests not refused as they must be: {sorted(set(tally['bad_missed']))}")
+        return lines
+    counts = [int(c) for c in clients.split(",")]
+    runs = [[[run_clients(port, c, requests, max_tokens, time.time() + time_limit, prompts) for c in counts]
+             for _, _, port, _ in servers] for _ in range(rounds)]  # runs[round][server][count]
+
+    def spread(values, fmt):
+        text = fmt.format(statistics.median(values))
+        return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    lines = [f"{rounds} round(s); median (min-max) over the rounds",
+             "| clients | requests | completion tokens | aggregate tokens/s | vs 1 client | "
+             "median time to first token (s) | server | vs qlite plain | inter-token p50 / p95 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, c in enumerate(counts):
+        for j, (_, _, _, name) in enumerate(servers):
+            rates = [run[j][i]["tokens_per_s"] for run in runs]
+            ratios = [run[j][i]["tokens_per_s"] / run[j][0]["tokens_per_s"] for run in runs]
+            vs_plain = [run[j][i]["tokens_per_s"] / run[0][i]["tokens_per_s"] for run in runs]
+
+            def med(key):
+                return statistics.median(run[j][i][key] or float("nan") for run in runs)
+            lines.append(f"| {c} | {runs[0][j][i]['requests']} | {runs[0][j][i]['tokens']} | {spread(rates, '{:.1f}')} | "
+                         f"{spread(ratios, '{:.2f}x')} | {med('ttft_median_s'):.2f} | {name} | "
+                         f"{spread(vs_plain, '{:.2f}x')} | {med('itl_p50_ms'):.0f} / {med('itl_p95_ms'):.0f} |")
+    lines.append("")
+    lines += [f"server RSS ({name}) idle {before:.0f} MiB, after the runs {rss_mib(server.pid):.0f} MiB"
+              for (server, _, _, name), before in zip(servers, idle)]
+    return lines
 
 if __name__ == "__main__":
     main()

@@ -88,7 +88,7 @@ def qlite_pair(lm, ids: list[int], new_tokens: int, speculation) -> dict:
     proposed, accepted, passes = (now - then for now, then in zip(
         (speculation.stats.proposed, speculation.stats.accepted, speculation.stats.passes), before))
     return {"tokens": len(plain), "plain_tps": plain_tps, "spec_tps": fast_tps, "identical": fast == plain,
-            "proposed": proposed, "accepted": accepted, "per_pass": len(fast) / (passes + 1)}
+            "proposed": proposed, "accepted": accepted, "per_pass": len(fast) / max(passes, 1)}
 
 
 def llama_cpp_tps(llm, ids: list[int], new_tokens: int) -> float:

@@ -141,7 +141,7 @@ def sampling_options(command):
 
 
 def speculate_options(command):
-    """--speculate and --draft-tokens, which generate and chat share."""
+    """--speculate and --draft-tokens, which generate, chat and serve share."""
     command = click.option("--draft-tokens", type=int, default=7, show_default=True,
                            help="--speculate: at most this many proposals a forward (1-7; fewer while they are "
                                 "rejected)")(command)
@@ -150,6 +150,14 @@ def speculate_options(command):
                              "followed the last few tokens where they occurred before (prompt lookup); a "
                              "checkpoint dir with the same tokenizer proposes what it decodes (a draft model, "
                              "e.g. a 4-bit copy of an 8-bit model)")(command)
+
+
+def schema_file_grammar(path: Path) -> str:
+    """--json-schema FILE: the grammar of what the schema in FILE allows."""
+    from .constrain import json_schema_grammar
+    from .files import read_json
+    schema = read_json(path, limit=1 << 20)
+    return json_schema_grammar(schema or {"type": "object"}, f"--json-schema {path}")
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -186,14 +194,18 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @kv_cache_option
 @speculate_options
+@click.option("--json-schema", type=click.Path(path_type=Path), metavar="FILE",
+              help="constrain the output to JSON that this JSON schema allows ({}: any JSON object)")
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-             max_new_tokens, stop, dtype, device, kernel, threads, kv_cache, speculate, draft_tokens, stats):
+             max_new_tokens, stop, dtype, device, kernel, threads, kv_cache, speculate, draft_tokens, json_schema,
+             stats):
     """Generate text from a prompt, streamed to stdout."""
     from .pipeline import load
 
     if any(not s for s in stop):
         raise QliteError("--stop: an empty stop string would stop before the first token")
+    grammar = None if json_schema is None else schema_file_grammar(json_schema)
     text = read_prompt(prompt)
     t0 = time.perf_counter()
     lm = load(model_dir, dtype=dtype, device=device, kernel=kernel, threads=threads, kv_cache=kv_cache)
@@ -210,7 +222,7 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
     generated = []
     t1 = time.perf_counter()
     for piece in stream_text(lm.model, lm.tokenizer, ids, params, lm.eos_ids, on_token=generated.append,
-                             speculation=speculation):
+                             speculation=speculation, constraint=None if grammar is None else lm.constraint(grammar)):
         click.echo(piece, nl=False)
     click.echo()
     if stats:
@@ -280,15 +292,28 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
               show_default=True, help="seconds a connection may send nothing (before or during a request)")
 @click.option("--max-connections", type=at_least(1), default=256, show_default=True,
               help="connections open at once; more are closed as they arrive")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="a name requests may give as `model` (repeat for aliases; default: the checkpoint dir's name); "
+                   "a request naming another model gets 404 model_not_found")
+@click.option("--api-key", envvar="QLITE_API_KEY", help="require `Authorization: Bearer KEY` on /v1/ "
+                                                        "(or set QLITE_API_KEY)")
+@click.option("--cors", multiple=True, metavar="ORIGIN", help="let a browser page from ORIGIN call the API "
+                                                              "(repeatable; * for any)")
+@click.option("--prompt-cache-mib", type=at_least(0), default=256, show_default=True,
+              help="finished requests' keys and values kept, so a prompt that starts the same (a chat's next turn, a "
+                   "shared system prompt) is not prefilled again (0: off)")
 @kv_cache_option
+@speculate_options
 def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel, max_body_bytes, timeout_s,
-          max_connections, kv_cache):
+          max_connections, served_model_names, api_key, cors, prompt_cache_mib, kv_cache, speculate, draft_tokens):
     """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
     concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
     from .server import Limits, serve as run
 
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
-        dtype=dtype, kernel=kernel, kv_cache=kv_cache, log=lambda m: click.echo(m, err=True),
+        dtype=dtype, kernel=kernel, kv_cache=kv_cache, speculate=speculate, draft_tokens=draft_tokens,
+        served_model_names=served_model_names, api_key=api_key, cors=cors, prompt_cache_mib=prompt_cache_mib,
+        log=lambda m: click.echo(m, err=True),
         limits=Limits(max_body_bytes, timeout_s, max_connections))
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
 

@@ -20,11 +20,33 @@ from .generate import INITIAL_NEW_TOKENS, NON_FINITE, SamplingParams, StopText, 
 @dataclass(frozen=True)
 class Start:
     prompt_tokens: int
+    cached_tokens: int = 0  # of them, the ones whose keys and values came from the server's prompt cache
 
 
 @dataclass(frozen=True)
 class Text:
     text: str
+
+
+@dataclass(frozen=True)
+class Token:
+    """A token taken, with its log-probability under the model's own logits and the `top` most likely
+    tokens' ((id, logprob), ...): only where Shaping.logprobs asks for them."""
+    id: int
+    logprob: float
+    top: tuple
+
+
+@dataclass
+class Shaping:
+    """What a request adds to SamplingParams: OpenAI's presence/frequency penalties and logit_bias
+    ({token id: added to its logit}), a grammar the tokens must follow (constrain.Constraint: one
+    sequence's), and logprobs to report (None: none; n: each token's and the n most likely)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    constraint: object = None
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,9 +59,10 @@ class Done:
 class Failed:
     message: str
     status: int = 500  # the HTTP status a server answers with
+    code: str | None = None  # OpenAI's error code, where it has one (context_length_exceeded)
 
 
-Event = Start | Text | Done | Failed
+Event = Start | Text | Token | Done | Failed
 
 
 class Sequence:
@@ -49,17 +72,25 @@ class Sequence:
     a tokenizer it makes no text (token-level callers), and stop strings do not apply."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, eos_ids, tokenizer=None, device="cpu",
-                 vocab_size: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
-        self.params, self.eos = params, frozenset(eos_ids)
+                 vocab_size: int | None = None, shaping: Shaping | None = None):
+        shaping = shaping or Shaping()
+        self.params, self.eos, self.constraint, self.logprobs = params, frozenset(eos_ids), shaping.constraint, \
+            shaping.logprobs
         self.text = StopText(tokenizer, params.stop) if tokenizer is not None else None
         self.position, self.token, self.generated = len(prompt) - 1, -1, 0  # after a take: the token to feed, its position
-        self.presence, self.frequency = presence_penalty, frequency_penalty
+        self.history, self.failed = list(prompt), False  # prompt and tokens taken
+        self.presence, self.frequency = shaping.presence_penalty, shaping.frequency_penalty
+        self.bias = self.scored = None
+        if shaping.logit_bias:
+            self.bias = torch.zeros(vocab_size, device=device)  # (V,)
+            self.bias[torch.tensor(list(shaping.logit_bias), device=device)] = torch.tensor(
+                list(shaping.logit_bias.values()), device=device, dtype=torch.float32)
         self.generator = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
         self.seen = self.counts = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros((1, vocab_size), dtype=torch.bool, device=device)  # (1, V)
             self.seen[0, torch.tensor(prompt, device=device)] = True
-        if presence_penalty or frequency_penalty:
+        if self.presence or self.frequency:
             self.counts = torch.zeros(vocab_size, device=device)  # (V,)
         self.finished = False
 
@@ -71,6 +102,14 @@ class Sequence:
         """The next token (raises QliteError for non-finite logits or a sampling failure)."""
         if not finite:
             raise QliteError(f"{NON_FINITE} (at generated token {self.generated + 1})")
+        if self.logprobs is not None:
+            self.scored = logits  # (V,): the model's own, for take's Token event
+        if self.bias is not None:
+            logits = logits.float() + self.bias
+            argmax = int(logits.argmax())
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)  # (V,) float32, -inf where the grammar says no
+            argmax = int(logits.argmax())
         if self.plain_greedy:
             return argmax
         logits = logits.float()[None]  # (1, V)
@@ -88,6 +127,9 @@ class Sequence:
 
     def take(self, token: int) -> list[Event]:
         """Append a token: its text, and the end at an eos, a stop string or the token budget."""
+        if self.constraint is not None:
+            self.constraint.take(token)
+        self.history.append(token)
         self.generated += 1
         self.token = token
         self.position += 1
@@ -97,7 +139,7 @@ class Sequence:
             self.counts[token] += 1
         if token in self.eos:
             return self.end("stop")
-        events = []
+        events = [] if self.scored is None else [self.scored_token(token)]
         if self.text is not None:
             piece = self.text.push(token)
             if piece:
@@ -108,6 +150,13 @@ class Sequence:
             return events + self.end("length")
         return events
 
+    def scored_token(self, token: int) -> Token:
+        logprobs = torch.log_softmax(self.scored.float(), -1)  # (V,)
+        top = logprobs.topk(self.logprobs) if self.logprobs else None
+        self.scored = None
+        return Token(token, float(logprobs[token]),
+                     () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist())))
+
     def end(self, reason: str) -> list[Event]:
         """Finish: the text held back (for a stop string that did not come), then Done."""
         self.finished = True
@@ -115,7 +164,7 @@ class Sequence:
         return ([Text(piece)] if piece else []) + [Done(reason, self.generated)]
 
     def fail(self, message: str, status: int = 500) -> list[Event]:
-        self.finished = True
+        self.finished = self.failed = True
         return [Failed(message, status)]
 
 
@@ -265,11 +314,12 @@ def generate_tokens(model, prompts: list[list[int]], params: SamplingParams, eos
 
 
 def stream_text(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids,
-                on_token=None, speculation=None) -> Iterator[str]:
+                on_token=None, speculation=None, constraint=None) -> Iterator[str]:
     """Yield the completion's text as it is generated, ending before any eos or stop string.
     on_token, if given, is called with each generated token id (for counting). speculation: a
-    speculate.Speculation (the same text, fewer forwards)."""
-    seq = Sequence(prompt_ids, params, eos_ids, tokenizer, model.device, model.config.vocab_size)
+    speculate.Speculation (the same text, fewer forwards); constraint: a constrain.Constraint."""
+    seq = Sequence(prompt_ids, params, eos_ids, tokenizer, model.device, model.config.vocab_size,
+                   Shaping(constraint=constraint))
     steps = (((token, events) for [(token, events)] in decode_batch(model, [prompt_ids], [seq]))
              if speculation is None else speculation.decode(model, prompt_ids, seq))
     for token, events in steps:

@@ -4,21 +4,32 @@ those waiting, bounded by PREFILL_TOKENS) and join between steps, finished or ab
 Each sequence's token, text and end are decode.Sequence's (the step `qlite generate` takes too), and
 its KV rows decode.RowCache's: allocated once for --max-batch rows of --ctx tokens, so a full server
 queues (and past --max-queue refuses) but never grows. One active row alone is kept at start 0, so it
-takes the same path as `qlite generate` (no mask).
+takes the same path as `qlite generate` (no mask). A finished sequence's keys and values go into the
+prompt cache (prompt_cache.py); a prompt that starts with an entry's tokens is prefilled alone, from them.
+
+Speculation (`speculation`, a speculate.Speculation: qlite serve --speculate): a job that asks for it
+(`speculate`) gets its own Speculator (its drafter's state and its stats; the pacer, which learns what passes cost and how often proposals
+are taken, is the engine's, so a request does not start from a guess). While its row is the only active
+one it decodes by proposals verified in one exact forward, as `qlite generate --speculate` does (the
+same tokens as plain steps); alongside other rows it takes plain batched steps. A batch already feeds
+its rows to one pass over the weights, which is what speculation buys a lone sequence; verifying
+uneven proposals per row would need a cache whose rows end at different places (see docs).
 """
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from .decode import Event, Failed, RowCache, Sequence, Start
+from .decode import Event, Failed, RowCache, Sequence, Shaping, Start
 from .errors import QliteError
 from .generate import SamplingParams, left_padded
 from .memory import release_freed_memory
+from .prompt_cache import PromptCache
 
 PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (longest) stays within this
 
@@ -48,9 +59,10 @@ class Job:
     params: SamplingParams  # max_new_tokens: the request's max_tokens, or None-like 0 for "to the context"
     emit: Callable[[Event], None]
     max_tokens: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    shaping: Shaping = field(default_factory=Shaping)  # penalties, logit_bias, a constraint, logprobs
+    speculate: bool = True  # where the engine has a speculation: this job uses it
     cancelled: bool = False
+    speculator: object = None  # the engine's, once prefilled with speculation (its .stats: the usage extras)
 
 
 @dataclass
@@ -59,6 +71,8 @@ class Engine:
     max_batch: int = 8
     ctx: int = 4096
     max_queue: int = 64
+    speculation: object = None  # speculate.Speculation, or None
+    prompt_cache_bytes: int = 256 << 20  # finished sequences' keys and values kept for later prompts (0: none)
     rows: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -68,12 +82,40 @@ class Engine:
         self.waiting: collections.deque[Job] = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
+        self.pacer = None  # speculation's, shared by the requests
+        self.prompt_cache = PromptCache(self.prompt_cache_bytes) if self.prompt_cache_bytes else None
         self.thread = threading.Thread(target=self._run, name="qlite-engine", daemon=True)
 
     # --- the outside ---
     def start(self) -> "Engine":
         self.thread.start()
         return self
+
+    @classmethod
+    def on_own_thread(cls, build: Callable[[], "Engine"]) -> "Engine":
+        """The engine `build` makes (loading the model) on a new thread, which then runs the engine there:
+        every OpenMP parallel region of the model then starts from that one thread. A second thread that
+        starts them gets a second team; libgomp, with more of its threads than CPUs, then stops spinning
+        between regions, and each of a step's ~120 regions (the demo model) waits on a wake-up: a decode
+        step took 22-23 ms in a thread beside the loading one, 14-16 ms on it (2 Zen 4 cores)."""
+        box, ready = {}, threading.Event()
+
+        def own():
+            try:
+                box["engine"] = engine = build()
+                engine.thread = threading.current_thread()
+            except BaseException as e:  # the caller's to raise (a QliteError: a one-line error)
+                box["error"] = e
+                return
+            finally:
+                ready.set()
+            engine._run()
+
+        threading.Thread(target=own, name="qlite-engine", daemon=True).start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["engine"]
 
     def stop(self) -> None:
         with self.wake:
@@ -92,7 +134,10 @@ class Engine:
             return True
 
     def load(self) -> dict:
-        return {"active": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch, "ctx": self.ctx}
+        cache = self.prompt_cache
+        return {"active": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch, "ctx": self.ctx,
+                **({"prompt_cache": {"entries": len(cache.entries), "mib": round(cache.bytes / 2**20, 1), "hits": cache.hits,
+                                     "reused_tokens": cache.reused_tokens}} if cache is not None else {})}
 
     # --- the engine thread ---
     def _run(self) -> None:
@@ -132,44 +177,63 @@ class Engine:
                 if not ids:
                     raise QliteError("the prompt is empty")
                 room = self.ctx - len(ids)
-                if room < 1:
-                    raise QliteError(f"the prompt is {len(ids)} tokens, the context is {self.ctx}")
-                if job.max_tokens is not None and job.max_tokens > room:
-                    raise QliteError(f"max_tokens {job.max_tokens}: the prompt is {len(ids)} tokens and the "
-                                     f"context {self.ctx}, so at most {room} can follow")
+                if room < 1 or (job.max_tokens is not None and job.max_tokens > room):
+                    job.emit(Failed(f"the prompt is {len(ids)} tokens, the context is {self.ctx}" if room < 1 else
+                                    f"max_tokens {job.max_tokens}: the prompt is {len(ids)} tokens and the context "
+                                    f"{self.ctx}, so at most {room} can follow", 400, "context_length_exceeded"))
+                    continue
             except QliteError as e:
                 job.emit(Failed(str(e), 400))
                 continue
             except Exception as e:  # this request's own failure (its template, its text): never another's
                 job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
                 continue
-            job.emit(Start(len(ids)))
-            ready.append((job, ids, job.max_tokens or room))
-        for group in prefill_groups(ready):
+            reused = self.prompt_cache.match(ids) if self.prompt_cache is not None else (0, None)
+            job.emit(Start(len(ids), reused[0]))
+            ready.append(((job, ids, job.max_tokens or room), reused))
+        fresh = [item for item, (_, entry) in ready if entry is None]
+        groups = [([item], reused) for item, reused in ready if reused[1] is not None]  # each alone, after its start
+        for group, reused in groups + [(group, None) for group in prefill_groups(fresh)]:
             rows = len(self.rows)
             try:
-                self._prefill(group)
+                self._prefill(group, reused)
             except Exception as e:  # the group's own forward failed before it joined: only its jobs fail
                 del self.rows[rows:]
                 self.cache.drop_after(rows)
                 for job, _, _ in group:
                     job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
 
-    def _prefill(self, group: list[tuple[Job, list[int], int]]) -> None:
-        """Prefill new sequences as one left-padded batch; they join the shared cache's rows."""
+    def _prefill(self, group: list[tuple[Job, list[int], int]], reused: tuple | None = None) -> None:
+        """Prefill new sequences as one left-padded batch; they join the shared cache's rows. reused: for
+        a group of one, (m, the prompt cache's entry holding its first m tokens' keys and values)."""
         model = self.lm.model
         seqs = [(job, Sequence(ids, replace(job.params, max_new_tokens=max_tokens), self.lm.eos_ids, self.lm.tokenizer,
-                               model.device, model.config.vocab_size, job.presence_penalty, job.frequency_penalty))
+                               model.device, model.config.vocab_size, job.shaping))
                 for job, ids, max_tokens in group]
         n, L = len(group), max(len(ids) for _, ids, _ in group)
         ids, mask, positions = left_padded([ids for _, ids, _ in group], L, device=model.device)
         alone = model.new_cache(n, L)
-        logits = model(ids, alone, positions, None if bool(mask.all()) else mask, last_only=True)
+        if reused is None:
+            logits = model(ids, alone, positions, None if bool(mask.all()) else mask, last_only=True)
+        else:
+            m, entry = reused
+            alone.k[:, 0, :, :m], alone.v[:, 0, :, :m] = entry.k[:, :, :m], entry.v[:, :, :m]
+            alone.length = m
+            logits = model(ids[:, m:], alone, positions[:, m:], last_only=True)
         self.cache.join(alone, mask)
         self.rows.extend(seqs)
+        if self.speculation is not None:
+            from .speculate import Pacer, Speculator
+            if self.pacer is None:  # one for every request: what passes cost and how often proposals are taken
+                self.pacer = Pacer(self.speculation.most, drafter=self.speculation.drafter)  # carry over
+            for (job, seq), (_, ids, _) in zip(seqs, group):
+                if job.speculate:
+                    job.speculator = Speculator(self.speculation.drafter, self.speculation.most, ids, pacer=self.pacer)
         self._pick(seqs, logits[:, -1])
 
     def _step(self) -> None:
+        if len(self.rows) == 1 and self.rows[0][0].speculator is not None:
+            return self._speculative_step(*self.rows[0])
         view, mask = self.cache.next_step()
         dev = self.lm.model.device
         ids = torch.tensor([[seq.token] for _, seq in self.rows], device=dev)
@@ -178,10 +242,41 @@ class Engine:
         self.cache.stepped()
         self._pick(self.rows, logits[:, -1])
 
+    def _speculative_step(self, job: Job, seq: Sequence) -> None:
+        """The lone row's next pass: its proposals and token in one exact forward, the tokens it takes
+        (plain decoding's), the cache kept up to them."""
+        spec, model = job.speculator, self.lm.model
+        view, mask = self.cache.next_step()  # alone: at start 0, no mask
+        t, t0 = self.cache.t, time.perf_counter()
+        draft = spec.propose(min(self.ctx - t - 1, seq.params.max_new_tokens - seq.generated - 1))
+        logits = model(torch.tensor([[seq.token, *draft]], device=model.device), view, exact=bool(draft))[0]
+        spec.timed(1 + len(draft), time.perf_counter() - t0)
+        try:
+            steps = [] if job.cancelled else spec.verify(seq, logits, model.ops, self.ctx)
+        except Exception as e:
+            steps = [(None, seq.fail(str(e) if isinstance(e, QliteError) else f"internal error: {type(e).__name__}: {e}"))]
+        self.cache.key_mask[0, t:t + len(steps)] = True
+        self.cache.cache.length = t + len(steps)
+        self._leave_finished()
+        for _, events in steps:
+            for event in events:
+                job.emit(event)
+
+    def _remember(self, i: int, seq: Sequence) -> None:
+        """Row i's keys and values, with the tokens they are of, into the prompt cache."""
+        t = self.cache.t
+        held = self.cache.key_mask[i, :t]
+        start = int(held.nonzero()[0]) if bool(held.any()) else t
+        if len(seq.history) >= t - start:
+            self.prompt_cache.put(seq.history[:t - start], self.cache.cache.k[:, i, :, start:t],
+                                  self.cache.cache.v[:, i, :, start:t])
+
     def _pick(self, rows: list[tuple[Job, Sequence]], logits: torch.Tensor) -> None:
         """Each row's next token from its logits (B, V) and its events; finished, failed and abandoned
-        rows leave. A failure in one row's sampling is that row's alone."""
+        rows leave, then the events go out (a request told it is done is out of the batch). A failure
+        in one row's sampling is that row's alone."""
         argmax, finite = self.lm.model.ops.argmax_rows(logits)
+        out = []
         for i, (job, seq) in enumerate(rows):
             if job.cancelled:
                 seq.finished = True
@@ -190,12 +285,21 @@ class Engine:
                 events = seq.step(logits[i], finite[i], argmax[i])
             except Exception as e:
                 events = seq.fail(f"internal error: {type(e).__name__}: {e}")
+            if job.speculator is not None:
+                job.speculator.took(seq.token)
+            out.append((job, events))
+        self._leave_finished()
+        for job, events in out:
             for event in events:
                 job.emit(event)
+
+    def _leave_finished(self) -> None:
         i = 0
         while i < len(self.rows):
             job, seq = self.rows[i]
             if seq.finished or job.cancelled:
+                if self.prompt_cache is not None and not seq.failed:
+                    self._remember(i, seq)
                 self.cache.leave(i)
                 self.rows[i] = self.rows[-1]
                 self.rows.pop()

@@ -10,6 +10,7 @@ from .fields import field_of, is_int
 from .files import read_checkpoint_json
 from .decode import stream_text
 from .generate import SamplingParams
+from .messages import check_messages, checked_text
 from .tokenizer import Tokenizer
 
 
@@ -49,17 +50,19 @@ class TextModel:
     eos_ids: tuple[int, ...]
     defaults: dict = field(default_factory=dict)
 
-    def prompt_ids(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None) -> list[int]:
+    def prompt_ids(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
         """Token ids for a prompt. A string in chat mode (default: when the checkpoint has a template)
-        is a user message after an optional system message; a list of messages (role system, user
-        or assistant, content text) is a whole conversation, rendered by the chat template."""
+        is a user message after an optional system message; a list of messages (messages.py) is a whole
+        conversation, rendered by the chat template, with `tools` (function schemas) where given."""
         if isinstance(prompt, list):
             messages = check_messages(prompt)
             if system:
                 messages = [{"role": "system", "content": system}] + messages
             if self.tokenizer.chat_template is None:
                 raise QliteError("a list of messages needs a chat template, and this checkpoint has none")
-            return self._encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            extra = {"tools": tools} if tools else {}
+            return self._encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
         if chat is None:
             chat = self.tokenizer.chat_template is not None
         if chat:
@@ -83,43 +86,27 @@ class TextModel:
         return replace(SamplingParams(), **{**self.defaults, **given})
 
     def stream(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
-               speculate: str | None = None, draft_tokens: int = 7, **sampling) -> Iterator[str]:
+               speculate: str | None = None, draft_tokens: int = 7, json_schema=None, **sampling) -> Iterator[str]:
         """speculate: "lookup" or a draft model's dir for speculative decoding (speculate.py: the same text,
-        fewer forwards)."""
+        fewer forwards). json_schema: a JSON schema (dict; True: any JSON object) the output is
+        constrained to (constrain.py)."""
         from .speculate import speculation
         ids = self.prompt_ids(prompt, chat, system)
+        constraint = None
+        if json_schema is not None:
+            from .constrain import json_schema_grammar
+            constraint = self.constraint(json_schema_grammar(json_schema))
         return stream_text(self.model, self.tokenizer, ids, self.params(**sampling), self.eos_ids,
-                           speculation=speculation(speculate, self, draft_tokens))
+                           speculation=speculation(speculate, self, draft_tokens), constraint=constraint)
 
     def generate(self, prompt: str | list[dict], chat: bool | None = None, system: str | None = None,
-                 speculate: str | None = None, draft_tokens: int = 7, **sampling) -> str:
-        return "".join(self.stream(prompt, chat, system, speculate, draft_tokens, **sampling))
+                 speculate: str | None = None, draft_tokens: int = 7, json_schema=None, **sampling) -> str:
+        return "".join(self.stream(prompt, chat, system, speculate, draft_tokens, json_schema, **sampling))
 
-
-ROLES = ("system", "user", "assistant")
-
-
-def check_messages(messages) -> list[dict]:
-    """A conversation as the chat template takes it: a non-empty list of {role, content} with a known
-    role and text content (a message's other keys are dropped)."""
-    if not isinstance(messages, list) or not messages:
-        raise QliteError("messages must be a non-empty list of {role, content}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise QliteError(f"messages[{i}] must be {{role: {'|'.join(ROLES)}, content: text}}")
-        out.append({"role": m["role"], "content": checked_text(m["content"], f"messages[{i}].content")})
-    return out
-
-
-def checked_text(text: str, what: str) -> str:
-    """Text that is valid Unicode: JSON's "\\ud800" escape (or bytes not UTF-8 in argv) can give a
-    string with a lone surrogate, which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise QliteError(f"{what}: not valid Unicode (a lone surrogate at character {e.start})") from None
-    return text
+    def constraint(self, grammar: str):
+        """A constrain.Constraint of `grammar` for one sequence of this model."""
+        from .constrain import Constraint
+        return Constraint(grammar, self.tokenizer, self.model.config.vocab_size, self.eos_ids)
 
 
 THREADS_PER_CPU = 8  # the most threads a run may ask for per CPU: more only oversubscribes (and from

@@ -2,11 +2,15 @@
 
 Starlette + uvicorn (the `serve` extra): the ASGI pair vLLM and llama-cpp-python's server use; small,
 well kept, server-sent events and client disconnects handled by the framework. Routes:
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A bad request gets a
-400 in OpenAI's error shape; a full queue a 503; every other status (404, 405, 413, 500) the same
-JSON shape. A request's failure is its own: nothing it sends reaches another request. Chat
-templates render on the engine thread, so their memory limit (chat_template.py) never overlaps
-another request's work.
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health, and
+POST /v1/embeddings as a 404 saying it is not offered. What a body asks and how answers look is
+openai_api.py's; here: HTTP, a job per choice, streaming. A bad request gets a 400 in OpenAI's error
+shape; a full queue a 503; every other status (401, 404, 405, 413, 500) the same JSON shape. With
+`--speculate`, a request decodes by speculation while it is alone in the batch (`"speculate": false` in
+its body opts out) and its usage gains `speculation` (passes, proposed and accepted tokens, tokens per
+pass). A request's failure is its own: nothing it sends reaches another request. Chat templates
+render on the engine thread, so their memory limit (chat_template.py) never overlaps another request's
+work; a grammar compiles in a worker thread, off the event loop.
 
 Limits (Limits, `qlite serve` flags): a request body of at most --max-body-bytes (413 past it); a
 connection that sends nothing for --timeout seconds (no request yet, or a request half sent) is
@@ -16,21 +20,19 @@ anything).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .decode import Failed, Text
+from .decode import Done, Failed, Start, Token
 from .engine import Engine, Job
 from .errors import QliteError
-from .generate import SamplingParams
-from .pipeline import check_messages, checked_text
+from .messages import check_messages
+from .openai_api import MAX_N, Answer, BadRequest, Plan, bad_field, completion_prompts, flag, plan
 
-MAX_STOPS = 4
-SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 log = logging.getLogger("qlite.serve")
 
 
@@ -41,67 +43,10 @@ class Limits:
     max_connections: int = 256  # open at once
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-def error_response(message: str, status: int = 400, param: str | None = None):
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
     from starlette.responses import JSONResponse
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
-
-
-def _number(body: dict, name: str, kind, default, low=None, high=None, low_open=False, high_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise BadRequest(f"{name} must be a number", name)
-    value = kind(value)
-    if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) \
-            or (high is not None and (value >= high if high_open else value > high)):
-        bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, " \
-                 f"{high if high is not None else 'inf'}{')' if high_open or high is None else ']'}"
-        raise BadRequest(f"{name} {value} is out of range {bounds}", name)
-    return value
-
-
-def job_settings(body: dict, defaults: dict) -> dict:
-    """SamplingParams and penalties from an OpenAI request body (checked)."""
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOPS:
-        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS}", "stop")
-    if _number(body, "n", int, 1, low=1) != 1:
-        raise BadRequest("n: qlite returns one choice per request", "n")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise BadRequest(f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}", "seed")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = None if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", int, None, low=1)
-    params = SamplingParams(
-        temperature=_number(body, "temperature", float, defaults.get("temperature", 0.0), low=0),
-        top_p=_number(body, "top_p", float, defaults.get("top_p", 1.0), low=0, high=1, low_open=True),
-        top_k=_number(body, "top_k", int, defaults.get("top_k", 0), low=0),
-        min_p=_number(body, "min_p", float, defaults.get("min_p", 0.0), low=0, high=1, high_open=True),
-        repetition_penalty=_number(body, "repetition_penalty", float, defaults.get("repetition_penalty", 1.0),
-                                   low=0, low_open=True),
-        seed=seed, stop=tuple(stop))
-    return {"params": params, "max_tokens": max_tokens,
-            "presence_penalty": _number(body, "presence_penalty", float, 0.0, low=-2, high=2),
-            "frequency_penalty": _number(body, "frequency_penalty", float, 0.0, low=-2, high=2)}
-
-
-def flag(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {json.dumps(value)[:40]}", name)
-    return value
+    kind = {401: "authentication_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
 def isolated(handler):
@@ -114,7 +59,7 @@ def isolated(handler):
         try:
             return await handler(request)
         except BadRequest as e:
-            return error_response(str(e), e.status, e.param)
+            return error_response(str(e), e.status, e.param, e.code)
         except QliteError as e:
             return error_response(str(e))
         except Exception as e:  # a bug: this request fails, the server goes on
@@ -123,14 +68,45 @@ def isolated(handler):
     return run
 
 
-def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
+class KeyGuard:
+    """ASGI middleware: every /v1/ request (but a CORS preflight) must carry `Authorization: Bearer KEY`;
+    others get a 401 in OpenAI's error shape (code invalid_api_key). /health stays open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.want):
+                response = error_response("a valid API key is needed: Authorization: Bearer KEY (qlite serve "
+                                          "--api-key)", 401, code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str | None = None, cors: tuple = ()):
+    """The ASGI app. names: the model's name, or the names it answers to (the first is the one answers
+    carry); a request naming another model gets 404 model_not_found, as OpenAI's API and vLLM answer."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     created = int(time.time())
+    names = (names,) if isinstance(names, str) else tuple(names)
+    model_id = names[0]
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "qlite"}
+
+    def unknown_model(name) -> BadRequest:
+        return BadRequest(f"model {str(name)[:200]!r} is not served here (this server answers to "
+                          f"{', '.join(map(repr, names))}; qlite serve --served-model-name)", "model", 404,
+                          "model_not_found")
 
     async def read_body(request: Request) -> dict:
         declared = request.headers.get("content-length")
@@ -155,61 +131,89 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
             raise BadRequest("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        if body.get("model") not in (None, model_id):
-            raise BadRequest(f"model {body.get('model')!r} is not served here (this server has {model_id!r})",
-                             "model")
+        if body.get("model") is not None and body.get("model") not in names:
+            raise unknown_model(body.get("model"))
         return body
 
-    async def complete(request: Request, body: dict, prepare, chat: bool):
-        settings = job_settings(body, lm.defaults)
+    async def complete(request: Request, body: dict, plan: Plan, prompts: list, chat: bool, echoes: list | None = None):
+        """Answer a request: each prompt (a `prepare` for the engine) n times, a job per choice."""
         stream = flag(body, "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
         usage_in_stream = flag(options, "include_usage")
+        if len(prompts) * plan.n > MAX_N:
+            raise BadRequest(f"{len(prompts)} prompts x n {plan.n}: at most {MAX_N} choices a request", "n")
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(prepare, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), **settings)
-        if not engine.submit(job):
-            raise BadRequest("the server is busy: its queue is full, try again later", status=503)
-        first = await events.get()
-        if isinstance(first, Failed):
-            raise BadRequest(first.message, "messages" if chat else "prompt", status=first.status)
-        prompt_tokens = first.prompt_tokens
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, event)
+        jobs, answers = [], []
+        for p, prepare in enumerate(prompts):
+            for j in range(plan.n):
+                index = len(jobs)
+                constraint = None if plan.grammar is None else await asyncio.to_thread(lm.constraint, plan.grammar)
+                jobs.append(Job(prepare, plan.choice_params(j), lambda ev, i=index: loop.call_soon_threadsafe(
+                    events.put_nowait, (i, ev)), plan.max_tokens, replace(plan.shaping, constraint=constraint),
+                    plan.speculate))
+                answers.append(Answer(index, chat, lm.tokenizer, tools=plan.tool_names(),
+                                      prefix=echoes[p] if echoes else ""))
+
+        def cancel():
+            for job in jobs:
+                job.cancelled = True  # no-op once done; frees a row if the handler was cancelled
+
+        for job in jobs:
+            if not engine.submit(job):
+                cancel()
+                raise BadRequest("the server is busy: its queue is full, try again later", status=503)
+        prompt_tokens, cached, early = 0, 0, []
+        for _ in jobs:  # each job's first event: Start, or why it failed
+            while True:
+                i, ev = await events.get()
+                if isinstance(ev, (Start, Failed)):
+                    break
+                early.append((i, ev))
+            if isinstance(ev, Failed):
+                cancel()
+                raise BadRequest(ev.message, "messages" if chat else "prompt", ev.status, ev.code)
+            prompt_tokens += ev.prompt_tokens if i % plan.n == 0 else 0
+            cached += ev.cached_tokens if i % plan.n == 0 else 0
+        early.reverse()
+
+        async def next_event():
+            return early.pop() if early else await events.get()
+
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
+        completion = [0] * len(jobs)
 
-        def choice(text: str | None, reason: str | None, delta: bool):
-            if chat:
-                body = {"role": "assistant", "content": text} if not delta else ({} if text is None else {"content": text})
-                return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": reason}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-
-        def usage(completion: int) -> dict:
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion}
+        def usage() -> dict:
+            total = sum(completion)
+            extras = [job.speculator.stats.usage() for job in jobs if job.speculator is not None]
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": total, "total_tokens": prompt_tokens + total,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                    **({"speculation": extras[0] if len(extras) == 1 else extras} if extras else {})}
 
         if not stream:
-            pieces = []
+            pieces, choices = [[] for _ in jobs], {}
             try:
-                while True:
+                while len(choices) < len(jobs):
                     try:
-                        ev = await asyncio.wait_for(events.get(), 1.0)
+                        i, ev = await asyncio.wait_for(next_event(), 1.0)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
-                            job.cancelled = True
                             return JSONResponse({}, 499)
                         continue
-                    if isinstance(ev, Text):
-                        pieces.append(ev.text)
-                    elif isinstance(ev, Failed):
-                        return error_response(ev.message, ev.status)
+                    if isinstance(ev, Failed):
+                        return error_response(ev.message, ev.status, code=ev.code)
+                    if isinstance(ev, Done):
+                        completion[i] = ev.completion_tokens
+                        choices[i] = answers[i].whole("".join(pieces[i]), ev.reason)
                     else:
-                        return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
-                                             "choices": [choice("".join(pieces), ev.reason, False)],
-                                             "usage": usage(ev.completion_tokens)})
+                        answers[i].add(ev) if isinstance(ev, Token) else pieces[i].append(ev.text)
+                return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
+                                     "choices": [choices[i] for i in range(len(jobs))], "usage": usage()})
             finally:
-                job.cancelled = True  # no-op once done; frees the row if the handler was cancelled
+                cancel()
 
         async def sse():
             def chunk(payload: dict) -> str:
@@ -219,55 +223,63 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
                     "model": model_id}
             try:
                 if chat:
-                    yield chunk({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                      "finish_reason": None}]})
-                while True:
-                    ev = await events.get()
-                    if isinstance(ev, Text):
-                        yield chunk({**head, "choices": [choice(ev.text, None, True)]})
-                    elif isinstance(ev, Failed):
-                        yield chunk({"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}})
+                    yield chunk({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None} for i in range(len(jobs))]})
+                done = 0
+                while done < len(jobs):
+                    i, ev = await next_event()
+                    if isinstance(ev, Failed):
+                        yield chunk({"error": {"message": ev.message, "type": "server_error", "param": None,
+                                               "code": ev.code}})
                         break
-                    else:
-                        yield chunk({**head, "choices": [choice(None, ev.reason, True)]})
-                        if usage_in_stream:
-                            yield chunk({**head, "choices": [], "usage": usage(ev.completion_tokens)})
-                        break
+                    if isinstance(ev, Done):
+                        completion[i], done = ev.completion_tokens, done + 1
+                        yield chunk({**head, "choices": [answers[i].close(ev.reason)]})
+                    elif piece := answers[i].add(ev):
+                        yield chunk({**head, "choices": [answers[i].delta(piece)]})
+                else:
+                    if usage_in_stream:
+                        yield chunk({**head, "choices": [], "usage": usage()})
                 yield "data: [DONE]\n\n"
             finally:
-                job.cancelled = True  # a client that left mid-stream frees its row at the next step
+                cancel()  # a client that left mid-stream frees its rows at the next step
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @isolated
     async def chat_completions(request: Request):
         body = await read_body(request)
-        try:
-            messages = check_messages(body.get("messages"))
-        except QliteError as e:
-            raise BadRequest(str(e), "messages") from None
-        return await complete(request, body, lambda: lm.prompt_ids(messages), chat=True)
+        messages = bad_field("messages")(check_messages, body.get("messages"))
+        request_plan = plan(body, lm.defaults, lm.model.config.vocab_size, chat=True, tokenizer=lm.tokenizer)
+        tools = request_plan.tools
+        return await complete(request, body, request_plan, [lambda: lm.prompt_ids(messages, tools=tools)], chat=True)
 
     @isolated
     async def completions(request: Request):
         body = await read_body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("prompt must be a non-empty string", "prompt")
-        try:
-            checked_text(prompt, "prompt")
-        except QliteError as e:
-            raise BadRequest(str(e), "prompt") from None
-        return await complete(request, body, lambda: lm.prompt_ids(prompt, chat=False), chat=False)
+        request_plan = plan(body, lm.defaults, lm.model.config.vocab_size, chat=False)
+        prompts = completion_prompts(body.get("prompt"), lm.model.config.vocab_size)
+        prepares = [(lambda ids=p: list(ids)) if isinstance(p, list) else (lambda text=p: lm.prompt_ids(text, chat=False))
+                    for p in prompts]
+        echoes = [lm.tokenizer.decode(p) if isinstance(p, list) else p for p in prompts] if request_plan.echo else None
+        return await complete(request, body, request_plan, prepares, chat=False, echoes=echoes)
 
     async def http_error(request: Request, exc: HTTPException):
         return error_response(exc.detail, exc.status_code)
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                                        "owned_by": "qlite"}]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
+
+    @isolated
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name not in names:
+            raise unknown_model(name)
+        return JSONResponse(model_card(name))
+
+    async def embeddings(request: Request):
+        return error_response("qlite serve does not offer embeddings: a generative model's hidden states are not a "
+                              "trained embedding model's", 404, code="not_offered")
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", **engine.load()})
@@ -276,8 +288,13 @@ def make_app(lm, engine: Engine, model_id: str, limits: Limits = Limits()):
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
+    ], exception_handlers={HTTPException: http_error}, middleware=[
+        *([Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
+                      allow_headers=["*"])] if cors else []),
+        *([Middleware(KeyGuard, key=api_key)] if api_key else [])])
 
 
 def guarded_protocol(limits: Limits):
@@ -336,7 +353,9 @@ def open_files_for(limits: Limits) -> None:
 
 def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, ctx: int = 4096,
           max_queue: int = 64, threads: int | None = None, dtype: str = "auto", kernel: str = "auto",
-          log=print, limits: Limits = Limits(), kv_cache: str = "bf16") -> None:
+          log=print, limits: Limits = Limits(), kv_cache: str = "bf16", speculate: str | None = None,
+          draft_tokens: int = 7, served_model_names: tuple = (), api_key: str | None = None, cors: tuple = (),
+          prompt_cache_mib: int = 256) -> None:
     """Load the model, start the engine, serve until Ctrl-C (open requests finish first)."""
     try:
         import uvicorn
@@ -347,21 +366,32 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     from .pipeline import load
 
     import socket
+    if api_key is not None and not api_key.strip():
+        raise QliteError("--api-key: empty (give the key clients will send, or leave the flag out)")
     open_files_for(limits)
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
         raise QliteError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
-    lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads, kv_cache=kv_cache)
-    from .fit import check_fits
-    check_fits(model_dir, lm.model, min(ctx, lm.model.config.context_length), "--ctx", batch=max_batch)
-    engine = Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue).start()
-    model_id = Path(model_dir).expanduser().resolve().name
+
+    def build() -> Engine:  # on the engine's thread (Engine.on_own_thread): the model's work all starts there
+        from .fit import check_fits
+        from .speculate import speculation
+        lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads, kv_cache=kv_cache)
+        check_fits(model_dir, lm.model, min(ctx, lm.model.config.context_length), "--ctx", batch=max_batch)
+        return Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue,
+                      speculation=speculation(speculate, lm, draft_tokens), prompt_cache_bytes=prompt_cache_mib << 20)
+
+    engine = Engine.on_own_thread(build)
+    lm = engine.lm
+    names = tuple(served_model_names) or (Path(model_dir).expanduser().resolve().name,)
+    model_id = ", ".join(names)
     log(f"serving {model_id} on http://{host}:{port}/v1 (max batch {max_batch}, context {engine.ctx}, "
         f"KV cache {kv_cache} {engine.cache.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
         f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
-    config = server_config(make_app(lm, engine, model_id, limits), host, port, limits, timeout_graceful_shutdown=60)
+    app = make_app(lm, engine, names, limits, api_key=api_key, cors=tuple(cors))
+    config = server_config(app, host, port, limits, timeout_graceful_shutdown=60)
     try:
         uvicorn.Server(config).run()
     finally:

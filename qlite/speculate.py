@@ -163,16 +163,68 @@ class Pacer:
 
 @dataclass
 class Stats:
-    passes: int = 0  # forwards after the prompt's
+    passes: int = 0  # forwards whose logits gave tokens, the prompt's included
     proposed: int = 0
     accepted: int = 0
     tokens: int = 0
 
     def __str__(self) -> str:
         rate = self.accepted / self.proposed if self.proposed else 0.0
-        per_pass = self.tokens / max(self.passes + 1, 1)
         return (f"speculation: {self.accepted}/{self.proposed} proposed tokens accepted ({rate:.0%}), "
-                f"{per_pass:.2f} tokens per forward")
+                f"{self.tokens / max(self.passes, 1):.2f} tokens per forward")
+
+    def usage(self) -> dict:
+        """The server's usage extras."""
+        return {"passes": self.passes, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
+                "tokens_per_pass": round(self.tokens / max(self.passes, 1), 3)}
+
+
+class Speculator:
+    """One sequence's speculation between forwards: its tokens so far (what the drafter reads), the
+    proposals fed with its next token, its pacer and its stats. A caller runs each pass as: `propose`,
+    one forward of [token, *draft] (exact), `verify` its logits, `timed`; a plain step's token goes
+    through `took`."""
+
+    def __init__(self, drafter, most: int, tokens: list[int], stats: Stats | None = None, pacer: Pacer | None = None):
+        self.drafter, self.tokens, self.stats = drafter, list(tokens), stats if stats is not None else Stats()
+        self.pacer = pacer or Pacer(min(most, MAX_DRAFT), drafter=drafter)  # a server's is shared by its requests
+        self.draft: list[int] = []
+
+    def propose(self, room: int) -> list[int]:
+        """Up to `room` proposals for the coming pass (as many as the pacer says pay)."""
+        k = min(self.pacer.next(), room)
+        self.draft = self.drafter.propose(self.tokens, k) if k > 0 else []
+        return self.draft
+
+    def verify(self, seq, out: torch.Tensor, ops, capacity: int) -> list[tuple[int, list]]:
+        """The tokens the sequence takes from one forward's logits out (1 + len(draft), V): after the fed
+        token, then after each proposal while the one picked there was the proposal. Each is (token, its
+        events); the sequence ends with "length" where its tokens reach `capacity`."""
+        top, finite = ops.argmax_rows(out)
+        steps, accepted = [], 0
+        for j in range(out.shape[0]):  # out[j]: the logits after feed[j]; draft[j] proposed for there
+            events = seq.take(seq.pick(out[j], finite[j], top[j]))
+            self.tokens.append(seq.token)
+            accepted += j < len(self.draft) and seq.token == self.draft[j]
+            if len(self.tokens) >= capacity and not seq.finished:  # the context is full
+                events += seq.end("length")
+            steps.append((seq.token, events))
+            if seq.finished or j == len(self.draft) or seq.token != self.draft[j]:
+                break
+        self.stats.passes, self.stats.tokens = self.stats.passes + 1, self.stats.tokens + len(steps)
+        if self.draft:
+            self.stats.proposed, self.stats.accepted = self.stats.proposed + len(self.draft), self.stats.accepted + accepted
+            self.pacer.update(len(self.draft), accepted)
+        return steps
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """What a pass of `rows` fed tokens took, its drafting included."""
+        self.pacer.timed(rows, seconds)
+
+    def took(self, token: int) -> None:
+        """A plain step's token (a batched step, where this sequence proposed nothing)."""
+        self.tokens.append(token)
+        self.stats.passes, self.stats.tokens = self.stats.passes + 1, self.stats.tokens + 1
 
 
 @dataclass
@@ -228,32 +280,18 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
         raise QliteError(f"prompt is {len(prompt)} tokens, the model's context is {context}")
     capacity = min(context, len(prompt) + seq.params.max_new_tokens)
     cache = model.new_cache(1, min(capacity, len(prompt) + INITIAL_NEW_TOKENS), limit=capacity)
-    stats, pacer, tokens = stats or Stats(), Pacer(min(most, MAX_DRAFT), drafter=drafter), list(prompt)
-    out, draft, start = model(torch.tensor([prompt], device=model.device), cache, last_only=True)[0], [], 0  # (1, V)
+    spec = Speculator(drafter, most, prompt, stats)
+    out, start = model(torch.tensor([prompt], device=model.device), cache, last_only=True)[0], 0  # (1, V)
     while True:
-        top, finite = model.ops.argmax_rows(out)
-        taken = accepted = 0
-        for j in range(out.shape[0]):  # out[j]: the logits after feed[j]; draft[j] proposed for there
-            events = seq.take(seq.pick(out[j], finite[j], top[j]))
-            tokens.append(seq.token)
-            taken, accepted = taken + 1, accepted + (j < len(draft) and seq.token == draft[j])
-            if len(tokens) >= capacity and not seq.finished:  # the context is full
-                events += seq.end("length")
-            yield seq.token, events
-            if seq.finished or j == len(draft) or seq.token != draft[j]:
-                break
-        stats.tokens += taken
-        if draft:
-            stats.proposed, stats.accepted = stats.proposed + len(draft), stats.accepted + accepted
-            pacer.update(len(draft), accepted)
-            cache.length = start + taken  # the fed tokens that were taken; the rest is overwritten next
+        steps = spec.verify(seq, out, model.ops, capacity)
+        if spec.draft:
+            cache.length = start + len(steps)  # the fed tokens that were taken; the rest is overwritten next
+        yield from steps
         if seq.finished:
             return
         # the last token the context or the budget allows is picked whatever was proposed for it
-        k = min(pacer.next(), capacity - len(tokens) - 1, seq.params.max_new_tokens - seq.generated - 1)
         t0 = time.perf_counter()  # a pass's cost: the drafting and the verify forward
-        draft = drafter.propose(tokens, k) if k > 0 else []
+        draft = spec.propose(min(capacity - len(spec.tokens) - 1, seq.params.max_new_tokens - seq.generated - 1))
         feed, start = torch.tensor([[seq.token, *draft]], device=model.device), cache.length
         out = model(feed, cache, exact=bool(draft))[0]  # (1 + len(draft), V)
-        pacer.timed(feed.shape[1], time.perf_counter() - t0)
-        stats.passes += 1
+        spec.timed(feed.shape[1], time.perf_counter() - t0)

@@ -1,6 +1,7 @@
 """Tokenizer (HF `tokenizers`), the checkpoint's chat template (chat_template.py), streaming detokenizer."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .errors import QliteError
@@ -24,6 +25,16 @@ def read_tokenizer(model_dir: Path):
         return HFTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         raise QliteError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+@functools.cache
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the rest
+    for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 class Tokenizer:
@@ -64,6 +75,17 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token's through GPT-2's byte alphabet, so half
+        a character stays its bytes; other tokenizers' tokens decoded)."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = byte_alphabet()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([token_id]).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the checkpoint's chat template, bounded (chat_template.py)."""

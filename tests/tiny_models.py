@@ -41,6 +41,7 @@ def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in ("<tool_call>", "</tool_call>")])  # Qwen2's markup
     assert tok.get_vocab_size() <= vocab_size
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({

@@ -63,3 +63,16 @@ def test_kv_cache_variants_run_each_dir_with_each_kind(tmp_path):
     spec = {"engine": "qlite", "path": str(ckpt), "kv_cache": "int8", "prompt_tokens": 8, "new_tokens": 2, "repeats": 1,
             "threads": 1}
     assert "--kv-cache int8" in measure(spec)["error"]
+
+
+def test_a_json_schema_run_decodes_under_the_grammar(tmp_path):
+    """The constrained job decodes its tokens (all new_tokens: past the document's end it feeds eos,
+    the one token the grammar then allows, so the timing covers every step)."""
+    import json
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=1)
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    spec = {"engine": "qlite", "path": str(ckpt), "json_schema": str(schema), "prompt_tokens": 8, "new_tokens": 12,
+            "repeats": 1, "threads": 1, "dtype": "float32"}
+    result = measure(spec)
+    assert "error" not in result and result["runs"][0]["decode_tps"] > 0, result

@@ -115,3 +115,81 @@ def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
     failed = answers["he he"]
     assert isinstance(failed, Failed) and failed.status == 500 and "RuntimeError" in failed.message
     assert answers["the the he"] == want
+
+
+@pytest.mark.skipif(native.library() is None, reason="speculation needs the native kernels")
+def test_speculation_alone_and_plain_steps_in_a_batch_answer_as_plain_decoding(lm, monkeypatch):
+    """With a speculation, a sequence alone in the batch decodes by verified proposals; sequences
+    decoding together take plain batched steps, and the last one left speculates again. Every answer
+    is the prompt's alone; a job that opts out has no speculator. The drafter knows each answer but
+    proposes a wrong token every third pass, so both paths of a pass run. (Passes cost what the pacer's
+    model says: on a tiny model it would rightly find proposals not worth their rows.)"""
+    from dataclasses import replace
+
+    from qlite.decode import Sequence, decode_batch
+    from qlite.speculate import Pacer, Speculation
+    monkeypatch.setattr(Pacer, "cost", lambda self, rows: 1 + Pacer.ROW_COST * (rows - 1))
+    prompts = {"in the he in the he in the": 40, "the the he": 8, "he he": 16, "a the in a the in": 40}
+    want = {p: lm.generate(p, chat=False, max_new_tokens=n) for p, n in prompts.items()}
+    answers_ids = []
+    for p, n in prompts.items():
+        ids = lm.prompt_ids(p, chat=False)
+        seq = Sequence(ids, replace(lm.params(), max_new_tokens=n), lm.eos_ids)
+        answers_ids.append(ids + [t for [(t, _)] in decode_batch(lm.model, [ids], [seq])])
+
+    class Oracle:
+        calls = 0
+
+        def propose(self, tokens, k):
+            self.calls += 1
+            full = next((a for a in answers_ids if a[:len(tokens)] == tokens), tokens)
+            return [*full[len(tokens):len(tokens) + k - 1], 0 if self.calls % 3 == 0 else full[len(tokens) + k - 1]] \
+                if len(full) >= len(tokens) + k else full[len(tokens):]
+
+    engine = Engine(lm, max_batch=4, ctx=128, speculation=Speculation(Oracle())).start()
+    answers, jobs = {}, {}
+    try:
+        for group in (list(prompts)[:1], list(prompts)[1:]):  # one alone, then three together
+            done = []
+            for p in group:
+                done.append(threading.Event())
+                pieces = []
+
+                def emit(event, pieces=pieces, p=p, done=done[-1]):
+                    if isinstance(event, Text):
+                        pieces.append(event.text)
+                    elif isinstance(event, (Done, Failed)):
+                        answers[p] = "".join(pieces) if isinstance(event, Done) else event
+                        done.set()
+                jobs[p] = Job(prepare=lambda p=p: lm.prompt_ids(p, chat=False), params=lm.params(), emit=emit,
+                              max_tokens=prompts[p], speculate=p != "he he")
+            for p in group:
+                engine.submit(jobs[p])
+            assert all(d.wait(120) for d in done)
+    finally:
+        engine.stop()
+    assert answers == want
+    assert jobs["he he"].speculator is None
+    alone, last = jobs["in the he in the he in the"].speculator.stats, jobs["a the in a the in"].speculator.stats
+    assert 0 < alone.accepted < alone.proposed and alone.passes < alone.tokens / 2
+    assert alone.tokens == len(answers_ids[0]) - len(lm.prompt_ids(list(prompts)[0], chat=False))
+    assert last.proposed > 0 and last.passes < last.tokens  # once alone
+
+
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_a_prompt_that_starts_as_a_finished_one_reuses_its_keys_and_values(lm, monkeypatch, kv_bits):
+    """bf16 on the native kernels, with a bf16 and an int8 KV cache (records copied as they are): a
+    longer prompt that starts with a finished request's tokens is prefilled from them, and answers as
+    the same prompt prefilled whole."""
+    monkeypatch.setattr(lm.model, "kv_bits", kv_bits)
+    base = "in the he in the he in the he in the a the he in"
+    engine = Engine(lm, max_batch=4, ctx=160).start()
+    try:
+        answers = {}
+        assert submit(engine, lm, base, 8, answers).wait(60)
+        longer = base + answers[base] + " the a"
+        assert submit(engine, lm, longer, 8, answers).wait(60)
+        assert engine.load()["prompt_cache"]["reused_tokens"] >= len(lm.prompt_ids(base, chat=False))
+    finally:
+        engine.stop()
+    assert answers[longer] == lm.generate(longer, chat=False, max_new_tokens=8)

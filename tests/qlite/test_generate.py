@@ -168,7 +168,7 @@ def test_python_api_takes_messages_threads_and_home_paths(tiny_ckpt, monkeypatch
     rendered = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert lm.prompt_ids(messages) == lm.tokenizer.encode(rendered)
     assert lm.generate(messages, max_new_tokens=5) == lm.generate(rendered, chat=False, max_new_tokens=5)
-    for bad, where in [([], "non-empty list"), ([{"role": "tool", "content": "x"}], "messages\\[0\\]"),
+    for bad, where in [([], "non-empty list"), ([{"role": "robot", "content": "x"}], "messages\\[0\\]"),
                        ([{"role": "user", "content": 3}], "messages\\[0\\]")]:
         with pytest.raises(QliteError, match=where):
             lm.prompt_ids(bad)

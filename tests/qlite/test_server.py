@@ -1,6 +1,7 @@
 """qlite serve against a real server on 127.0.0.1 with a tiny checkpoint, called with a plain HTTP
 client: answers equal the Python API's, streams join to them, batching is exact, bad requests get
 OpenAI-shaped 400s, a client that leaves frees its row, Ctrl-C exits 130."""
+import contextlib
 import http.client
 import json
 import os
@@ -18,9 +19,11 @@ import pytest
 pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 
+from qlite import native  # noqa: E402
 from qlite.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
 from qlite.server import Limits, make_app, server_config  # noqa: E402
+from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint  # noqa: E402
 
 LIMITS = Limits(max_body_bytes=64 * 1024, timeout_s=2.0, max_connections=40)
 
@@ -38,31 +41,40 @@ def lm(tiny_ckpt):
     return load(tiny_ckpt, dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def server(lm):
-    engine = Engine(lm, max_batch=8, ctx=128, max_queue=4).start()
+@contextlib.contextmanager
+def running(lm, engine, **options):
+    """(port, engine) of a server on 127.0.0.1 over a started engine, until the block ends."""
     port = free_port()
-    config = server_config(make_app(lm, engine, "tiny", LIMITS), "127.0.0.1", port, LIMITS)
+    config = server_config(make_app(lm, engine, options.pop("names", "tiny"), LIMITS, **options), "127.0.0.1", port,
+                           LIMITS)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
-    yield port, engine
-    srv.should_exit = True
-    thread.join(10)
-    engine.stop()
+    try:
+        yield port, engine
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        engine.stop()
 
 
-def call(port, path, body=None, raw: bytes | None = None, method="POST"):
+@pytest.fixture(scope="module")
+def server(lm):
+    with running(lm, Engine(lm, max_batch=8, ctx=128, max_queue=4).start()) as port_engine:
+        yield port_engine
+
+
+def call(port, path, body=None, raw: bytes | None = None, method="POST", headers=None, response=False):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     payload = r.read()
     conn.close()
-    return r.status, payload
+    return (r.status, payload, r) if response else (r.status, payload)
 
 
 def chat(port, content, **extra):
@@ -96,6 +108,8 @@ def test_chat_answer_and_stream_equal_the_python_api(server, lm):
                                                           "max_tokens": 12, "stream_options": {"include_usage": True}})
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == want
+    cached = chunks[-1]["usage"].pop("prompt_tokens_details")["cached_tokens"]  # the same prompt again: from the cache
+    assert got["usage"].pop("prompt_tokens_details") == {"cached_tokens": 0} and cached == got["usage"]["prompt_tokens"] - 1
     assert chunks[-1]["usage"] == got["usage"]
 
 
@@ -137,13 +151,16 @@ def test_concurrent_requests_are_exact(server, lm):
 
 @pytest.mark.parametrize("body, raw, param", [
     (None, b"{not json", None),
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, None, "model"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, None, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, None, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, None, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, "messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+                   {"role": "user", "content": "hi"}]}, None, "messages"),
     ({"messages": "hi"}, None, "messages"),
     ({"messages": [{"role": "user"}]}, None, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, None, "top_p"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, None, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, None, "stop"),
     ([1, 2], None, None),
 ])
@@ -168,7 +185,9 @@ def test_a_client_that_leaves_frees_its_row(server):
     deadline = time.time() + 20
     while engine.load()["active"] and time.time() < deadline:
         time.sleep(0.05)
-    assert engine.load() == {"active": 0, "waiting": 0, "max_batch": 8, "ctx": 128}
+    load = engine.load()
+    assert {k: load[k] for k in ("active", "waiting", "max_batch", "ctx")} == {"active": 0, "waiting": 0, "max_batch": 8,
+                                                                             "ctx": 128}
 
 
 def test_serve_command_exits_130_on_ctrl_c(tiny_ckpt):
@@ -344,3 +363,85 @@ def test_connections_past_the_cap_are_closed_and_the_server_goes_on(server):
         except OSError:
             time.sleep(0.1)
     assert call(port, "/health", method="GET")[0] == 200
+
+
+@pytest.mark.skipif(native.library() is None, reason="speculation needs the native kernels")
+def test_a_speculating_server_answers_as_plain_decoding_with_usage_extras(tmp_path):
+    """serve --speculate lookup on a bf16 model of native widths: the same text as the Python API,
+    streamed and not; usage says what speculation did; "speculate": false opts a request out."""
+    from qlite.speculate import Speculation
+    lm = load(make_checkpoint(tmp_path / "bf16", **NATIVE_WIDTHS), dtype="bfloat16")
+    prompt = "in the he in the he in the he in the"
+    want = lm.generate(prompt, chat=False, max_new_tokens=24)
+    engine = Engine(lm, max_batch=4, ctx=128, speculation=Speculation.named("lookup", lm.model)).start()
+    with running(lm, engine) as (port, _):
+        status, payload = call(port, "/v1/completions", {"prompt": prompt, "max_tokens": 24})
+        assert status == 200, payload
+        got = json.loads(payload)
+        assert got["choices"][0]["text"] == want
+        extras = got["usage"]["speculation"]
+        assert extras["passes"] >= 1 and extras["accepted_tokens"] <= extras["proposed_tokens"]
+        assert extras["tokens_per_pass"] == round(got["usage"]["completion_tokens"] / extras["passes"], 3)
+        chunks = stream_pieces(port, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                          "stream_options": {"include_usage": True}})
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+        assert "speculation" in chunks[-1]["usage"]
+        status, payload = call(port, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "speculate": False})
+        assert json.loads(payload)["choices"][0]["text"] == want and "speculation" not in json.loads(payload)["usage"]
+        status, payload = call(port, "/v1/completions", {"prompt": prompt, "speculate": "yes"})
+        assert status == 400 and json.loads(payload)["error"]["param"] == "speculate"
+
+
+def test_messages_as_clients_send_them(server, lm):
+    """Content as a list of text parts, the developer role (a system message), a message's name: the
+    same prompt as plain text content and a system message."""
+    port, _ = server
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the\nhe"}]
+    want = lm.generate(plain, max_new_tokens=8)
+    status, payload = call(port, "/v1/chat/completions", {"max_tokens": 8, "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "he"}]}]})
+    got = json.loads(payload)
+    assert status == 200 and got["choices"][0]["message"]["content"] == want
+    assert got["usage"]["prompt_tokens"] == len(lm.prompt_ids(plain))
+    status, payload = call(port, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    assert status == 400 and "image_url part" in json.loads(payload)["error"]["message"]
+
+
+def test_models_by_name_unknown_models_and_embeddings(server):
+    port, _ = server
+    status, payload = call(port, "/v1/models/tiny", method="GET")
+    assert status == 200 and json.loads(payload)["id"] == "tiny"
+    for status, payload in (call(port, "/v1/models/gpt-4o", method="GET"),
+                            call(port, "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user",
+                                                                                                 "content": "hi"}]})):
+        error = json.loads(payload)["error"]
+        assert status == 404 and error["code"] == "model_not_found" and "gpt-4o" in error["message"], payload
+    status, payload = call(port, "/v1/embeddings", {"input": "hi"})
+    assert status == 404 and "embeddings" in json.loads(payload)["error"]["message"]
+    status, payload = call(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 100000})
+    assert status == 400 and json.loads(payload)["error"]["code"] == "context_length_exceeded"
+
+
+def test_api_key_cors_and_aliases(lm):
+    engine = Engine(lm, max_batch=2, ctx=64).start()
+    with running(lm, engine, names=("tiny", "gpt-4o-mini"), api_key="s3cret", cors=("https://app.example",)) as (port, _):
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "the"}], "max_tokens": 4}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, payload = call(port, "/v1/chat/completions", body, headers=headers)
+            error = json.loads(payload)["error"]
+            assert status == 401 and error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+        status, payload, r = call(port, "/v1/chat/completions", body, response=True,
+                                  headers={"Authorization": "Bearer s3cret", "Origin": "https://app.example"})
+        assert status == 200 and json.loads(payload)["model"] == "tiny"
+        assert r.getheader("access-control-allow-origin") == "https://app.example"
+        status, _, r = call(port, "/v1/chat/completions", method="OPTIONS", response=True, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert status == 200 and r.getheader("access-control-allow-origin") == "https://app.example"
+        status, _, r = call(port, "/health", method="GET", response=True, headers={"Origin": "https://evil.example"})
+        assert status == 200 and r.getheader("access-control-allow-origin") is None  # open, but not to that page
+        status, payload = call(port, "/v1/models", method="GET", headers={"Authorization": "Bearer s3cret"})
+        assert [m["id"] for m in json.loads(payload)["data"]] == ["tiny", "gpt-4o-mini"]
