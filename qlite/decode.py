@@ -169,13 +169,15 @@ class Sequence:
 
 
 class RowCache:
-    """Sequences as rows of one preallocated KV cache sharing a write index t (cache.length): active row
-    i holds its tokens at [start_i, t) (key_mask), rows 0..B-1 are the active ones. Rows join with a
-    prefilled cache of their own, leave (the last row moves into the freed one), and the tokens shift
-    right (room for a longer prompt) or left (when t reaches the end)."""
+    """Sequences as rows of one KV cache sharing a write index t (cache.length): active row i holds its
+    tokens at [start_i, t) (key_mask), rows 0..B-1 are the active ones. Rows join with a prefilled cache
+    of their own, leave (the last row moves into the freed one), and the tokens shift right (room for a
+    longer prompt) or left (when t reaches the end). The cache grows (doubling) as t does, up to ctx:
+    memory follows the longest row, not rows x ctx."""
+    INITIAL = 256  # tokens a row has room for before the cache first grows
 
     def __init__(self, model, rows: int, ctx: int):
-        self.cache = model.new_cache(rows, ctx, limit=ctx)
+        self.cache = model.new_cache(rows, min(ctx, self.INITIAL), limit=ctx)
         self.key_mask = torch.zeros((rows, ctx), dtype=torch.bool, device=model.device)
         self.ctx, self.active = ctx, 0
 
@@ -199,6 +201,7 @@ class RowCache:
             t = L
         if t >= self.ctx:
             t = self.compact()
+        self.cache.reserve(t)
         self.cache.k[:, B:B + n, :, t - L:t] = alone.k[:, :, :, :L]
         self.cache.v[:, B:B + n, :, t - L:t] = alone.v[:, :, :, :L]
         self.key_mask[B:B + n] = False
@@ -222,15 +225,17 @@ class RowCache:
         if not self.active:
             self.cache.length = 0
 
-    def next_step(self) -> tuple[object, torch.Tensor | None]:
-        """Make room for one token per active row at t: (the cache view of the active rows, their key
-        mask up to t + 1, or None when no row has padding: the single-sequence path)."""
+    def next_step(self, tokens: int = 1) -> tuple[object, torch.Tensor | None]:
+        """Make room for one token per active row at t (and for `tokens` in all: a speculative pass's): (the
+        cache view of the active rows, their key mask up to t + 1, or None when no row has padding: the
+        single-sequence path)."""
         B = self.active
         if B == 1 and not bool(self.key_mask[0, 0]):
             self.compact()  # alone at start 0: the single-sequence path
-        if self.t >= self.ctx:
+        if self.t + tokens > self.ctx:
             self.compact()
         t = self.t
+        self.cache.reserve(t + tokens)
         self.key_mask[:B, t] = True
         plain = bool(self.key_mask[:B, :t + 1].all())
         return self.cache.first_rows(B), None if plain else self.key_mask[:B, :t + 1]
@@ -241,6 +246,7 @@ class RowCache:
     def shift(self, d: int) -> None:
         """Move every active row's tokens d places right."""
         B, t = self.active, self.t
+        self.cache.reserve(t + d)
         for buf in (self.cache.k, self.cache.v):
             buf[:, :B, :, d:d + t] = buf[:, :B, :, :t].clone()
         self.key_mask[:B, d:d + t] = self.key_mask[:B, :t].clone()

@@ -2,14 +2,14 @@
 sequences at once (one forward), new sequences are prefilled together (one left-padded forward for
 those waiting, bounded by PREFILL_TOKENS) and join between steps, finished or abandoned ones leave.
 Each sequence's token, text and end are decode.Sequence's (the step `qlite generate` takes too), and
-its KV rows decode.RowCache's: allocated once for --max-batch rows of --ctx tokens, so a full server
-queues (and past --max-queue refuses) but never grows. One active row alone is kept at start 0, so it
-takes the same path as `qlite generate` (no mask). A finished sequence's keys and values go into the
+its KV rows decode.RowCache's: --max-batch rows of at most --ctx tokens, grown as the rows lengthen, so a
+full server queues (and past --max-queue refuses) but never holds more. One active row alone is kept at
+start 0, so it takes the same path as `qlite generate` (no mask). A finished sequence's keys and values go into the
 prompt cache (prompt_cache.py); a prompt that starts with an entry's tokens is prefilled alone, from them.
 
 Speculation (`speculation`, a speculate.Speculation: qlite serve --speculate): a job that asks for it
-(`speculate`) gets its own Speculator (its drafter's state and its stats; the pacer, which learns what passes cost and how often proposals
-are taken, is the engine's, so a request does not start from a guess). While its row is the only active
+(`speculate`) gets its own Speculator (its drafter's state and its stats; the pacer, which learns what
+passes cost and how often proposals are taken, is the engine's, so a request does not start from a guess). While its row is the only active
 one it decodes by proposals verified in one exact forward, as `qlite generate --speculate` does (the
 same tokens as plain steps); alongside other rows it takes plain batched steps. A batch already feeds
 its rows to one pass over the weights, which is what speculation buys a lone sequence; verifying
@@ -246,9 +246,10 @@ class Engine:
         """The lone row's next pass: its proposals and token in one exact forward, the tokens it takes
         (plain decoding's), the cache kept up to them."""
         spec, model = job.speculator, self.lm.model
-        view, mask = self.cache.next_step()  # alone: at start 0, no mask
-        t, t0 = self.cache.t, time.perf_counter()
-        draft = spec.propose(min(self.ctx - t - 1, seq.params.max_new_tokens - seq.generated - 1))
+        t0 = time.perf_counter()
+        draft = spec.propose(min(self.ctx - self.cache.t - 1, seq.params.max_new_tokens - seq.generated - 1))
+        view, mask = self.cache.next_step(1 + len(draft))  # alone: at start 0, no mask
+        t = self.cache.t
         logits = model(torch.tensor([[seq.token, *draft]], device=model.device), view, exact=bool(draft))[0]
         spec.timed(1 + len(draft), time.perf_counter() - t0)
         try:

@@ -388,7 +388,8 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     names = tuple(served_model_names) or (Path(model_dir).expanduser().resolve().name,)
     model_id = ", ".join(names)
     log(f"serving {model_id} on http://{host}:{port}/v1 (max batch {max_batch}, context {engine.ctx}, "
-        f"KV cache {kv_cache} {engine.cache.cache.nbytes / 2 ** 20:.0f} MiB; bodies up to {limits.max_body_bytes} bytes, "
+        f"KV cache {kv_cache} up to {engine.cache.cache.nbytes / engine.cache.cache.capacity * engine.ctx / 2 ** 20:.0f} MiB, "
+        f"as used; bodies up to {limits.max_body_bytes} bytes, "
         f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
     app = make_app(lm, engine, names, limits, api_key=api_key, cors=tuple(cors))
     config = server_config(app, host, port, limits, timeout_graceful_shutdown=60)

@@ -193,3 +193,25 @@ def test_a_prompt_that_starts_as_a_finished_one_reuses_its_keys_and_values(lm, m
     finally:
         engine.stop()
     assert answers[longer] == lm.generate(longer, chat=False, max_new_tokens=8)
+
+
+def test_the_kv_cache_grows_as_rows_lengthen(lm, monkeypatch):
+    """The rows' cache starts small and doubles as the longest row needs (not max-batch x ctx up
+    front); prompts joining, shifting and decoding across a growth answer as alone."""
+    from qlite.decode import RowCache
+    monkeypatch.setattr(RowCache, "INITIAL", 8)
+    engine = Engine(lm, max_batch=4, ctx=160)
+    assert engine.cache.cache.capacity == 8
+    prompts = ["the he", PROMPTS[4] * 2, "a the in a the in a"]
+    want = {p: lm.generate(p, chat=False, max_new_tokens=20) for p in prompts}
+    answers = {}
+    engine.start()
+    try:
+        assert submit(engine, lm, prompts[0], 20, answers).wait(60)
+        later = [submit(engine, lm, p, 20, answers) for p in prompts[1:]]
+        assert all(e.wait(60) for e in later)
+    finally:
+        engine.stop()
+    assert answers == want
+    longest = max(len(lm.prompt_ids(p, chat=False)) for p in prompts) + 20
+    assert longest <= engine.cache.cache.capacity < 4 * longest
