@@ -4,13 +4,14 @@ those waiting, bounded by PREFILL_TOKENS) and join between steps, finished or ab
 Each sequence's token, text and end are decode.Sequence's (the step `qlite generate` takes too), and
 its KV rows decode.RowCache's: --max-batch rows of at most --ctx tokens, grown as the rows lengthen, so a
 full server queues (and past --max-queue refuses) but never holds more. One active row alone is kept at
-start 0, so it takes the same path as `qlite generate` (no mask). A finished sequence's keys and values go into the
-prompt cache (prompt_cache.py); a prompt that starts with an entry's tokens is prefilled alone, from them.
+start 0, so it takes the same path as `qlite generate` (no mask). A finished sequence's keys and values
+go into the prompt cache (prompt_cache.py); a prompt that starts with an entry's tokens is prefilled
+alone, from them.
 
 Speculation (`speculation`, a speculate.Speculation: qlite serve --speculate): a job that asks for it
 (`speculate`) gets its own Speculator (its drafter's state and its stats; the pacer, which learns what
-passes cost and how often proposals are taken, is the engine's, so a request does not start from a guess). While its row is the only active
-one it decodes by proposals verified in one exact forward, as `qlite generate --speculate` does (the
+passes cost and how often proposals are taken, is the engine's, so a request does not start from a
+guess). While its row is the only active one it decodes by proposals verified in one exact forward, as `qlite generate --speculate` does (the
 same tokens as plain steps); alongside other rows it takes plain batched steps. A batch already feeds
 its rows to one pass over the weights, which is what speculation buys a lone sequence; verifying
 uneven proposals per row would need a cache whose rows end at different places (see docs).
@@ -226,9 +227,9 @@ class Engine:
             from .speculate import Pacer, Speculator
             if self.pacer is None:  # one for every request: what passes cost and how often proposals are taken
                 self.pacer = Pacer(self.speculation.most, drafter=self.speculation.drafter)  # carry over
-            for (job, seq), (_, ids, _) in zip(seqs, group):
+            for job, _ in seqs:
                 if job.speculate:
-                    job.speculator = Speculator(self.speculation.drafter, self.speculation.most, ids, pacer=self.pacer)
+                    job.speculator = Speculator(self.speculation.drafter, self.speculation.most, pacer=self.pacer)
         self._pick(seqs, logits[:, -1])
 
     def _step(self) -> None:
@@ -247,7 +248,7 @@ class Engine:
         (plain decoding's), the cache kept up to them."""
         spec, model = job.speculator, self.lm.model
         t0 = time.perf_counter()
-        draft = spec.propose(min(self.ctx - self.cache.t - 1, seq.params.max_new_tokens - seq.generated - 1))
+        draft = spec.propose(seq, min(self.ctx - self.cache.t - 1, seq.params.max_new_tokens - seq.generated - 1))
         view, mask = self.cache.next_step(1 + len(draft))  # alone: at start 0, no mask
         t = self.cache.t
         logits = model(torch.tensor([[seq.token, *draft]], device=model.device), view, exact=bool(draft))[0]
@@ -287,7 +288,7 @@ class Engine:
             except Exception as e:
                 events = seq.fail(f"internal error: {type(e).__name__}: {e}")
             if job.speculator is not None:
-                job.speculator.took(seq.token)
+                job.speculator.took()
             out.append((job, events))
         self._leave_finished()
         for job, events in out:

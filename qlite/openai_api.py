@@ -176,10 +176,10 @@ class Answer:
     text: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # entries not yet sent (stream) or all (whole)
     calls: ToolCallText | None = None
+    sent_prefix: bool = False
 
     def __post_init__(self):
         self.calls = ToolCallText(names=self.tools) if self.tools is not None else None
-        self.sent_prefix = False
 
     def add(self, event) -> str:
         """The content this event lets out now."""

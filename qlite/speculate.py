@@ -180,20 +180,19 @@ class Stats:
 
 
 class Speculator:
-    """One sequence's speculation between forwards: its tokens so far (what the drafter reads), the
-    proposals fed with its next token, its pacer and its stats. A caller runs each pass as: `propose`,
-    one forward of [token, *draft] (exact), `verify` its logits, `timed`; a plain step's token goes
-    through `took`."""
+    """One sequence's speculation between forwards: the proposals fed with its next token, its pacer and
+    its stats (the drafter reads the sequence's own history). A caller runs each pass as: `propose`, one
+    forward of [token, *draft] (exact), `verify` its logits, `timed`; a plain step goes through `took`."""
 
-    def __init__(self, drafter, most: int, tokens: list[int], stats: Stats | None = None, pacer: Pacer | None = None):
-        self.drafter, self.tokens, self.stats = drafter, list(tokens), stats if stats is not None else Stats()
+    def __init__(self, drafter, most: int, stats: Stats | None = None, pacer: Pacer | None = None):
+        self.drafter, self.stats = drafter, stats if stats is not None else Stats()
         self.pacer = pacer or Pacer(min(most, MAX_DRAFT), drafter=drafter)  # a server's is shared by its requests
         self.draft: list[int] = []
 
-    def propose(self, room: int) -> list[int]:
-        """Up to `room` proposals for the coming pass (as many as the pacer says pay)."""
+    def propose(self, seq, room: int) -> list[int]:
+        """Up to `room` proposals for the coming pass of `seq` (as many as the pacer says pay)."""
         k = min(self.pacer.next(), room)
-        self.draft = self.drafter.propose(self.tokens, k) if k > 0 else []
+        self.draft = self.drafter.propose(seq.history, k) if k > 0 else []
         return self.draft
 
     def verify(self, seq, out: torch.Tensor, ops, capacity: int) -> list[tuple[int, list]]:
@@ -204,9 +203,8 @@ class Speculator:
         steps, accepted = [], 0
         for j in range(out.shape[0]):  # out[j]: the logits after feed[j]; draft[j] proposed for there
             events = seq.take(seq.pick(out[j], finite[j], top[j]))
-            self.tokens.append(seq.token)
             accepted += j < len(self.draft) and seq.token == self.draft[j]
-            if len(self.tokens) >= capacity and not seq.finished:  # the context is full
+            if len(seq.history) >= capacity and not seq.finished:  # the context is full
                 events += seq.end("length")
             steps.append((seq.token, events))
             if seq.finished or j == len(self.draft) or seq.token != self.draft[j]:
@@ -221,9 +219,8 @@ class Speculator:
         """What a pass of `rows` fed tokens took, its drafting included."""
         self.pacer.timed(rows, seconds)
 
-    def took(self, token: int) -> None:
-        """A plain step's token (a batched step, where this sequence proposed nothing)."""
-        self.tokens.append(token)
+    def took(self) -> None:
+        """A plain step's token (a batched step, where this sequence proposed nothing), for the stats."""
         self.stats.passes, self.stats.tokens = self.stats.passes + 1, self.stats.tokens + 1
 
 
@@ -280,7 +277,7 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
         raise QliteError(f"prompt is {len(prompt)} tokens, the model's context is {context}")
     capacity = min(context, len(prompt) + seq.params.max_new_tokens)
     cache = model.new_cache(1, min(capacity, len(prompt) + INITIAL_NEW_TOKENS), limit=capacity)
-    spec = Speculator(drafter, most, prompt, stats)
+    spec = Speculator(drafter, most, stats)
     out, start = model(torch.tensor([prompt], device=model.device), cache, last_only=True)[0], 0  # (1, V)
     while True:
         steps = spec.verify(seq, out, model.ops, capacity)
@@ -291,7 +288,7 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
             return
         # the last token the context or the budget allows is picked whatever was proposed for it
         t0 = time.perf_counter()  # a pass's cost: the drafting and the verify forward
-        draft = spec.propose(min(capacity - len(spec.tokens) - 1, seq.params.max_new_tokens - seq.generated - 1))
+        draft = spec.propose(seq, min(capacity - len(seq.history) - 1, seq.params.max_new_tokens - seq.generated - 1))
         feed, start = torch.tensor([[seq.token, *draft]], device=model.device), cache.length
         out = model(feed, cache, exact=bool(draft))[0]  # (1 + len(draft), V)
         spec.timed(feed.shape[1], time.perf_counter() - t0)
