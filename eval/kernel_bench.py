@@ -13,12 +13,15 @@ how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
 --verify DIR instead times speculative decoding's verify forward of a checkpoint (one exact forward of R
 rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-token step, interleaved.
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
+--peak instead measures how close the integer-activation product for a few activation rows (speculation's verify,
+a batched step) comes to this CPU's arithmetic: one core's rate of VNNI multiply-adds and float FMAs (alone and
+interleaved, eval/peak_rate.c), against the product on weights that stay in L2 (int4-g128, 512 x 3584).
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
     python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
-                                [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE]
+                                [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE | --peak]
 """
 from __future__ import annotations
 
@@ -176,6 +179,49 @@ def time_steps(model_dir, calls: int) -> None:
     print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
 
 
+def peak_rates() -> dict[str, float]:
+    """One core's instructions per ns (eval/peak_rate.c): vpdpbusd zmm, vfmadd231ps zmm, and the two 1:1."""
+    import ctypes
+    import tempfile
+    compiler = os.environ.get("CC") or "cc"
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = ctypes.CDLL(str(native.build(compiler, Path(__file__).with_name("peak_rate.c"),
+                                           ["-mavx512f", "-mavx512vnni"], Path(tmp))))
+    lib.qlite_peak_rate.restype, lib.qlite_peak_rate.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long]
+    lib.qlite_peak_rate(2, 2_000_000)  # the clock up
+    return {name: statistics.median(lib.qlite_peak_rate(kind, 4_000_000) for _ in range(5))
+            for kind, name in enumerate(("vpdpbusd", "fma", "vpdpbusd + fma"))}
+
+
+def time_peak(rows: list[int], calls: int, threads: int) -> None:
+    """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
+    the rate this CPU's vector units allow the kernel's instruction mix: per 128 products of one weight row
+    and one activation row it issues 2 vpdpbusd and 2 float multiplies (the lane scales times the weight
+    scale, then the FMA into the sum), and the measured rates say whether those share units."""
+    if native.isa() != "avx512":
+        raise click.ClickException("--peak measures the AVX-512 VNNI kernels: this CPU runs others")
+    rates = peak_rates()
+    shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
+    per_core = (rates["vpdpbusd + fma"] if shared else rates["vpdpbusd"]) * 1e9 * 128 / (4 if shared else 2)
+    print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
+          f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
+          f"pure vpdpbusd: {threads * rates['vpdpbusd'] * 64:.0f} G multiply-adds/s on {threads} threads, "
+          f"the product's mix at most {threads * per_core / 1e9:.0f}")
+    N, K = 512, 3584
+    stored = Int4(128).quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
+    product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"], None)
+    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of pure vpdpbusd |")
+    print("|---|---|---|---|---|")
+    for M in rows:
+        x = torch.randn(M, K).bfloat16()
+        for _ in range(20):
+            product(x)
+        ms = statistics.median(interleaved({"p": lambda: [product(x) for _ in range(20)]}, calls)["p"]) / 20
+        rate = M * N * K / ms / 1e6  # G per s
+        print(f"| {M} | {ms:.3f} | {rate:.0f} | {rate / (threads * per_core / 1e9):.0%} | "
+              f"{rate / (threads * rates['vpdpbusd'] * 64):.0%} |")
+
+
 def time_verify(model_dir, rows: list[int], calls: int) -> None:
     """ms of one exact forward of R rows (R = 1: a plain step) after a 64-token prompt, the cache rolled
     back after each; `calls` rounds, the row counts interleaved."""
@@ -272,6 +318,8 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
 @click.option("--attention", "attention_context", type=int,
               help="time one layer's decode attention at this many keys instead, bf16 / int8 / int4 KV cache")
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
+@click.option("--peak", is_flag=True, help="the products at --rows rows on weights in L2 against the CPU's VNNI and FMA "
+                                           "rates instead")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
 @click.option("--verify", "verify_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -279,7 +327,7 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
 @click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="time the products of this version of the kernel file against the current ones instead (its "
               "headers come from its own directory first, then qlite's csrc: copy old headers beside it)")
-def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, verify_dir, against):
+def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, verify_dir, against, peak):
     torch.set_num_threads(threads)
     if attention_context:
         return time_attention(attention_context, calls)
@@ -287,6 +335,8 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, v
         return time_sampling(calls)
     if steps_dir:
         return time_steps(steps_dir, calls)
+    if peak:
+        return time_peak([int(r) for r in rows.split(",")], calls, threads)
     if verify_dir:
         return time_verify(verify_dir, [int(r) for r in rows.split(",")], calls)
     if against:

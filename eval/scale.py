@@ -135,6 +135,7 @@ RECIPES = {  # name: qlite quantize flags (llama.cpp's rows: LLAMA_TYPES)
     "rtn": ["--bits", "4", "--group-size", "128", "--no-report"],
     "q4": ["--preset", "q4", "--no-report"],  # the default: --target-bpw 4.5 from measured sensitivities
     "gptq": ["--bits", "4", "--group-size", "128", "--method", "gptq", "--no-report"],
+    "q4-gptq": ["--preset", "q4-gptq", "--no-report"],  # --target-bpw with GPTQ
     "report": ["--bits", "4", "--group-size", "128"],  # rtn and the fidelity report: the report's cost is the difference
 }
 

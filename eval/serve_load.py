@@ -1,7 +1,7 @@
 """Load on `qlite serve`: concurrent streaming clients, bounded in requests and time.
 
     python -m eval.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--rounds 3] [--markdown F]
-        [--speculate lookup|DRAFT_DIR] [--prompts asks|code-edit]
+        [--speculate lookup|DRAFT_DIR] [--prompts asks|code-edit] [--long-prompt TOKENS] [--also 'SERVE FLAGS']
     python -m eval.serve_load -m DIR --soak [--requests 200]
 
 Starts the server (a subprocess, 2 threads unless --threads), waits for /health, then per client
@@ -10,7 +10,11 @@ another until --requests are done: aggregate decode rate = completion tokens / w
 repeats the client counts in turn (so drift in the machine's speed hits them alike) and reports the
 median (min-max) rate and ratio to 1 client over the rounds. --speculate: a second server with
 `qlite serve --speculate`, loaded beside the first and run in turn with it (the same client counts
-each round), its rate also as a ratio to the plain server's. --soak:
+each round), its rate also as a ratio to the plain server's; --also FLAGS likewise, a server with those
+`qlite serve` flags. --long-prompt N: while the clients run, one more client keeps sending a prompt of
+about N tokens (code to summarize, 8 tokens of answer; each one numbered, so the prompt cache cannot serve it): its time to first token is reported, and the
+others' longest gap between two tokens (the stall a long prompt's prefill puts on running streams:
+qlite serve --prefill-chunk). --soak:
 8 clients, random max_tokens, some clients leaving mid-stream and 1 request in 10 hostile (HOSTILE:
 malformed JSON and fields, a lone surrogate, an out-of-range seed, deep JSON, an oversized body,
 unknown routes, a connection that sends nothing or half a request); checks every good request is
@@ -160,14 +164,32 @@ def hostile_request(port: int, kind: int) -> bool:
         return False
 
 
+def long_prompt_text(tokens: int) -> str:
+    """About `tokens` tokens of code (eval.speculation's code-edit sources, repeated) to summarize."""
+    from eval.speculation import prompt_sets
+    code = "\n\n".join(prompt_sets(["code-edit"], None)["code-edit"])
+    text = (code * (1 + 4 * tokens // len(code)))[:int(3.6 * tokens)]  # ~3.6 characters a token (the demo's tokenizer)
+    return f"Summarize what this code does in one sentence.\n\n{text}"
+
+
+def numbered(i: int, text: str) -> str:  # a different start every time: nothing for the prompt cache to reuse
+    return f"Request {i}. {text}"
+
+
 def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadline: float,
-                prompts: list = ASKS) -> dict:
+                prompts: list = ASKS, long_prompt: str | None = None) -> dict:
     """`clients` threads take the prompts in turn until `requests` are answered. A prompt is a user
     message, or a conversation's user turns (a list): each turn a request that re-sends the history
-    with the answers so far, as chat front-ends do."""
+    with the answers so far, as chat front-ends do. long_prompt: one more thread sends it again and
+    again while they run."""
     todo = list(range(requests))
     lock = threading.Lock()
-    results = []
+    results, long_results, running = [], [], threading.Event()
+
+    def joiner():  # at least once
+        long_results.append(stream_chat(port, numbered(0, long_prompt), 8))
+        while running.is_set():
+            long_results.append(stream_chat(port, numbered(len(long_results), long_prompt), 8))
 
     def client():
         while time.time() < deadline:
@@ -186,12 +208,20 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
                 history.append({"role": "assistant", "content": results[-1]["text"]})
 
     t0 = time.perf_counter()
+    running.set()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
+    extra = threading.Thread(target=joiner)
+    if long_prompt:
+        time.sleep(0.5)  # the streams first
+        extra.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    running.clear()
+    if long_prompt:
+        extra.join()
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     gaps = sorted(g for r in results for g in r["gaps"])
@@ -199,7 +229,10 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
             "tokens_per_s": tokens / wall, "ttft_median_s": statistics.median(ttfts) if ttfts else None,
             "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
             "itl_p95_ms": 1000 * gaps[int(len(gaps) * 0.95)] if gaps else None,
-            "all_done": all(r["done"] for r in results)}
+            "itl_max_ms": 1000 * gaps[-1] if gaps else None,
+            "long_ttft_s": statistics.median(r["ttft"] for r in long_results if r["ttft"] is not None)
+            if any(r["ttft"] is not None for r in long_results) else None,
+            "all_done": all(r["done"] for r in results + long_results)}
 
 
 def soak(port: int, pid: int, requests: int, seed: int = 0) -> dict:
@@ -274,6 +307,9 @@ def health(port: int) -> dict:
 @click.option("--dtype", default="auto", show_default=True, help="the server's --dtype")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
 @click.option("--speculate", help="also a server with --speculate this, run in turn with the plain one")
+@click.option("--also", "also_flags", help="also a server with these qlite serve flags (one string), run in turn")
+@click.option("--long-prompt", type=click.IntRange(1, 100_000),
+              help="one more client sending a prompt of about this many tokens while the others run")
 @click.option("--prompts", type=click.Choice(["asks", "chat", "code-edit"]), default="asks", show_default=True,
               help="the user messages: a short function per topic, multi-turn chats on them (a request per "
                    "turn), or eval.speculation's code edits")
@@ -281,22 +317,25 @@ def health(port: int) -> dict:
               help="llama.cpp's llama-server binary: also run the load against it (with --gguf), -np max-batch -cb")
 @click.option("--gguf", type=click.Path(exists=True, path_type=Path), help="the GGUF llama-server serves")
 def main(model_dir, clients, requests, max_tokens, max_batch, threads, time_limit, rounds, soak_mode, dtype, md_path,
-         speculate, prompts, llama_server, gguf):
-    if soak_mode and (speculate or llama_server):
-        raise click.UsageError("--soak runs one server: drop --speculate and --llama-server")
+         speculate, also_flags, long_prompt, prompts, llama_server, gguf):
+    if soak_mode and (speculate or llama_server or also_flags or long_prompt):
+        raise click.UsageError("--soak runs one server: drop --speculate, --also, --long-prompt and --llama-server")
     if bool(llama_server) != bool(gguf):
         raise click.UsageError("--llama-server and --gguf go together")
-    # the soak checks answers bit for bit against each alone: the prompt cache, whose reuse can move a
-    # logit's last bits (prompt_cache.py) and which hits as timing decides, is off for it
-    servers = [start_server(model_dir, max_batch, threads, dtype, ["--prompt-cache-mib", "0"] if soak_mode else [],
-                            "plain")]
+    # the soak checks answers bit for bit against each alone: the prompt cache and chunked prefill, which
+    # can move a logit's last bits (prompt_cache.py, engine.py) as timing decides, are off for it
+    servers = [start_server(model_dir, max_batch, threads, dtype,
+                            ["--prompt-cache-mib", "0", "--prefill-chunk", "0"] if soak_mode else [], "plain")]
+    if also_flags:
+        servers.append(start_server(model_dir, max_batch, threads, dtype, also_flags.split(), also_flags))
     if speculate:
         servers.append(start_server(model_dir, max_batch, threads, dtype, ["--speculate", speculate],
                                     f"--speculate {speculate}"))
     if llama_server:
         servers.append(start_server(None, max_batch, threads, dtype, [], "llama-server", peer=(llama_server, gguf)))
     try:
-        lines = loads(servers, clients, requests, max_tokens, time_limit, rounds, soak_mode, prompt_set(prompts))
+        lines = loads(servers, clients, requests, max_tokens, time_limit, rounds, soak_mode, prompt_set(prompts),
+                      long_prompt_text(long_prompt) if long_prompt else None)
         for server, log, _, name in servers:
             server.send_signal(signal.SIGINT)
             rc = server.wait(120)
@@ -345,7 +384,7 @@ def start_server(model_dir, max_batch: int, threads: int, dtype: str, extra: lis
 
 
 def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, time_limit: float, rounds: int,
-          soak_mode: bool, prompts: list[str]) -> list[str]:
+          soak_mode: bool, prompts: list[str], long_prompt: str | None = None) -> list[str]:
     time.sleep(1.0)
     idle = [rss_mib(server.pid) for server, *_ in servers]
     if soak_mode:
@@ -366,7 +405,7 @@ def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, ti
             lines.append(f"hostile requests not refused as they must be: {sorted(set(tally['bad_missed']))}")
         return lines
     counts = [int(c) for c in clients.split(",")]
-    runs = [[[run_clients(port, c, requests, max_tokens, time.time() + time_limit, prompts) for c in counts]
+    runs = [[[run_clients(port, c, requests, max_tokens, time.time() + time_limit, prompts, long_prompt) for c in counts]
              for _, _, port, _ in servers] for _ in range(rounds)]  # runs[round][server][count]
 
     def spread(values, fmt):
@@ -375,8 +414,9 @@ def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, ti
 
     lines = [f"{rounds} round(s); median (min-max) over the rounds",
              "| clients | requests | completion tokens | aggregate tokens/s | vs 1 client | "
-             "median time to first token (s) | server | vs qlite plain | inter-token p50 / p95 (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "median time to first token (s) | server | vs qlite plain | inter-token p50 / p95 / max (ms) |"
+             + (" long prompt's time to first token (s) |" if long_prompt else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if long_prompt else "")]
     for i, c in enumerate(counts):
         for j, (_, _, _, name) in enumerate(servers):
             rates = [run[j][i]["tokens_per_s"] for run in runs]
@@ -387,8 +427,12 @@ def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, ti
                 return statistics.median(run[j][i][key] or float("nan") for run in runs)
             lines.append(f"| {c} | {runs[0][j][i]['requests']} | {runs[0][j][i]['tokens']} | {spread(rates, '{:.1f}')} | "
                          f"{spread(ratios, '{:.2f}x')} | {med('ttft_median_s'):.2f} | {name} | "
-                         f"{spread(vs_plain, '{:.2f}x')} | {med('itl_p50_ms'):.0f} / {med('itl_p95_ms'):.0f} |")
+                         f"{spread(vs_plain, '{:.2f}x')} | {med('itl_p50_ms'):.0f} / {med('itl_p95_ms'):.0f} / "
+                         f"{med('itl_max_ms'):.0f} |" + (f" {med('long_ttft_s'):.2f} |" if long_prompt else ""))
     lines.append("")
+    unfinished = sum(not r["all_done"] for run in runs for server_runs in run for r in server_runs)
+    if unfinished:
+        lines.append(f"{unfinished} load(s) had requests that did not finish (an error status or a cut stream)")
     lines += [f"server RSS ({name}) idle {before:.0f} MiB, after the runs {rss_mib(server.pid):.0f} MiB"
               for (server, _, _, name), before in zip(servers, idle)]
     return lines

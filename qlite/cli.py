@@ -302,10 +302,14 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 @click.option("--prompt-cache-mib", type=at_least(0), default=256, show_default=True,
               help="finished requests' keys and values kept, so a prompt that starts the same (a chat's next turn, a "
                    "shared system prompt) is not prefilled again (0: off)")
+@click.option("--prefill-chunk", type=at_least(0), default=256, show_default=True,
+              help="prompt tokens prefilled between two decode steps while other requests are streaming, so a long "
+                   "prompt delays them by a chunk, not by itself (0: whole prompts at once)")
 @kv_cache_option
 @speculate_options
 def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel, max_body_bytes, timeout_s,
-          max_connections, served_model_names, api_key, cors, prompt_cache_mib, kv_cache, speculate, draft_tokens):
+          max_connections, served_model_names, api_key, cors, prompt_cache_mib, prefill_chunk, kv_cache, speculate,
+          draft_tokens):
     """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
     concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
     from .server import Limits, serve as run
@@ -313,6 +317,7 @@ def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kern
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
         dtype=dtype, kernel=kernel, kv_cache=kv_cache, speculate=speculate, draft_tokens=draft_tokens,
         served_model_names=served_model_names, api_key=api_key, cors=cors, prompt_cache_mib=prompt_cache_mib,
+        prefill_chunk=prefill_chunk,
         log=lambda m: click.echo(m, err=True),
         limits=Limits(max_body_bytes, timeout_s, max_connections))
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM

@@ -1,6 +1,8 @@
 """Continuous batching, scheduling only: one thread owns the model; every decode step runs all active
-sequences at once (one forward), new sequences are prefilled together (one left-padded forward for
-those waiting, bounded by PREFILL_TOKENS) and join between steps, finished or abandoned ones leave.
+sequences at once (one forward), new sequences are prefilled together (a left-padded batch of those
+waiting, bounded by PREFILL_TOKENS) and join between steps, finished or abandoned ones leave. While other
+sequences are decoding, a prefill goes a chunk at a time (`prefill_chunk` prompt tokens between two of
+their steps), so a long prompt that arrives delays the streams already running by a chunk, not by itself.
 Each sequence's token, text and end are decode.Sequence's (the step `qlite generate` takes too), and
 its KV rows decode.RowCache's: --max-batch rows of at most --ctx tokens, grown as the rows lengthen, so a
 full server queues (and past --max-queue refuses) but never holds more. One active row alone is kept at
@@ -67,6 +69,22 @@ class Job:
 
 
 @dataclass
+class Filling:
+    """New sequences being prefilled into their own cache, a chunk of prompt columns at a time; they join
+    the rows when the last chunk is in."""
+    seqs: list  # (job, Sequence)
+    cache: object  # their KVCache, n rows of the longest prompt
+    ids: torch.Tensor  # (n, L) left-padded
+    mask: torch.Tensor  # (n, L) True at real tokens
+    positions: torch.Tensor  # (n, L)
+    done: int  # columns already in the cache (a prompt-cache hit's prefix included)
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:  # the forward's: None when no row is padded
+        return None if bool(self.mask.all()) else self.mask
+
+
+@dataclass
 class Engine:
     lm: object  # pipeline.TextModel
     max_batch: int = 8
@@ -74,6 +92,7 @@ class Engine:
     max_queue: int = 64
     speculation: object = None  # speculate.Speculation, or None
     prompt_cache_bytes: int = 256 << 20  # finished sequences' keys and values kept for later prompts (0: none)
+    prefill_chunk: int = 256  # prompt tokens prefilled between two steps of running rows (0: whole prompts)
     rows: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -81,6 +100,7 @@ class Engine:
         self.ctx = min(self.ctx, model.config.context_length)
         self.cache = RowCache(model, self.max_batch, self.ctx)
         self.waiting: collections.deque[Job] = collections.deque()
+        self.filling: collections.deque[Filling] = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
         self.pacer = None  # speculation's, shared by the requests
@@ -128,7 +148,7 @@ class Engine:
         """Queue a job; False when the queue is full (the caller answers 503): more than max_queue
         jobs would wait beyond the free rows of the batch."""
         with self.wake:
-            if len(self.waiting) - (self.max_batch - len(self.rows)) >= self.max_queue:
+            if len(self.waiting) - (self.max_batch - self._rows_taken()) >= self.max_queue:
                 return False
             self.waiting.append(job)
             self.wake.notify()
@@ -136,7 +156,8 @@ class Engine:
 
     def load(self) -> dict:
         cache = self.prompt_cache
-        return {"active": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch, "ctx": self.ctx,
+        return {"active": len(self.rows), "prefilling": self._rows_taken() - len(self.rows),
+                "waiting": len(self.waiting), "max_batch": self.max_batch, "ctx": self.ctx,
                 **({"prompt_cache": {"entries": len(cache.entries), "mib": round(cache.bytes / 2**20, 1), "hits": cache.hits,
                                      "reused_tokens": cache.reused_tokens}} if cache is not None else {})}
 
@@ -145,30 +166,39 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self.wake:
-                    if not self.stopping and not self.waiting and not self.rows:
+                    if not self.stopping and not self.waiting and not self.rows and not self.filling:
                         release_freed_memory()  # idle: the heap that requests used goes back to the OS
-                    while not self.stopping and not self.waiting and not self.rows:
+                    while not self.stopping and not self.waiting and not self.rows and not self.filling:
                         self.wake.wait()
                     if self.stopping:
                         break
                 try:
                     self._admit()
+                    if self.filling:
+                        self._fill()
                     if self.rows:
                         self._step()
                 except Exception as e:  # a bug in a shared step must not hang every client: fail the active ones, go on
-                    for job, _ in self.rows:
+                    for job, _ in self._all_jobs():
                         job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
                     self.rows.clear()
+                    self.filling.clear()
                     self.cache.clear()
-        for job, _ in self.rows:
+        for job, _ in self._all_jobs():
             job.emit(Failed("the server is shutting down", 503))
+
+    def _all_jobs(self) -> list[tuple[Job, Sequence]]:
+        return self.rows + [row for f in self.filling for row in f.seqs]
+
+    def _rows_taken(self) -> int:  # also read by submit's threads: tuple() copies the deque in one step
+        return len(self.rows) + sum(len(f.seqs) for f in tuple(self.filling))
 
     def _next_job(self, admitted: int) -> Job | None:
         with self.wake:
-            return self.waiting.popleft() if self.waiting and len(self.rows) + admitted < self.max_batch else None
+            return self.waiting.popleft() if self.waiting and self._rows_taken() + admitted < self.max_batch else None
 
     def _admit(self) -> None:
-        """Take waiting jobs while rows are free; prefill them in groups (one forward per group)."""
+        """Take waiting jobs while rows are free; they prefill in groups (_fill)."""
         ready: list[tuple[Job, list[int], int]] = []
         while (job := self._next_job(len(ready))) is not None:
             if job.cancelled:
@@ -195,33 +225,58 @@ class Engine:
         fresh = [item for item, (_, entry) in ready if entry is None]
         groups = [([item], reused) for item, reused in ready if reused[1] is not None]  # each alone, after its start
         for group, reused in groups + [(group, None) for group in prefill_groups(fresh)]:
-            rows = len(self.rows)
             try:
-                self._prefill(group, reused)
-            except Exception as e:  # the group's own forward failed before it joined: only its jobs fail
-                del self.rows[rows:]
-                self.cache.drop_after(rows)
+                self.filling.append(self._filling(group, reused))
+            except Exception as e:  # only this group's jobs fail
                 for job, _, _ in group:
                     job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
 
-    def _prefill(self, group: list[tuple[Job, list[int], int]], reused: tuple | None = None) -> None:
-        """Prefill new sequences as one left-padded batch; they join the shared cache's rows. reused: for
-        a group of one, (m, the prompt cache's entry holding its first m tokens' keys and values)."""
+    def _filling(self, group: list[tuple[Job, list[int], int]], reused: tuple | None = None) -> Filling:
+        """New sequences as one left-padded batch with its own cache. reused: for a group of one, (m, the
+        prompt cache's entry holding its first m tokens' keys and values)."""
         model = self.lm.model
         seqs = [(job, Sequence(ids, replace(job.params, max_new_tokens=max_tokens), self.lm.eos_ids, self.lm.tokenizer,
                                model.device, model.config.vocab_size, job.shaping))
                 for job, ids, max_tokens in group]
         n, L = len(group), max(len(ids) for _, ids, _ in group)
         ids, mask, positions = left_padded([ids for _, ids, _ in group], L, device=model.device)
-        alone = model.new_cache(n, L)
-        if reused is None:
-            logits = model(ids, alone, positions, None if bool(mask.all()) else mask, last_only=True)
-        else:
-            m, entry = reused
-            alone.k[:, 0, :, :m], alone.v[:, 0, :, :m] = entry.k[:, :, :m], entry.v[:, :, :m]
-            alone.length = m
-            logits = model(ids[:, m:], alone, positions[:, m:], last_only=True)
-        self.cache.join(alone, mask)
+        alone, done = model.new_cache(n, L), 0
+        if reused is not None:
+            done, entry = reused
+            alone.k[:, 0, :, :done], alone.v[:, 0, :, :done] = entry.k[:, :, :done], entry.v[:, :, :done]
+            alone.length = done
+        return Filling(seqs, alone, ids, mask, positions, done)
+
+    def _fill(self) -> None:
+        """The first filling's next chunk (all of it while no row is decoding); a full one joins the rows and
+        takes its first tokens. A failure is its jobs' alone."""
+        f, model = self.filling[0], self.lm.model
+        if all(job.cancelled for job, _ in f.seqs):
+            self.filling.popleft()
+            return
+        n, L = f.ids.shape
+        end = min(L, f.done + max(1, self.prefill_chunk // n)) if self.rows and self.prefill_chunk else L
+        rows = len(self.rows)
+        try:
+            logits = model(f.ids[:, f.done:end], f.cache, f.positions[:, f.done:end],
+                           None if f.key_mask is None else f.key_mask[:, :end], last_only=True)
+            f.done = end
+            if end < L:
+                return
+            self.filling.popleft()
+            self._join(f, logits)
+        except Exception as e:  # its own forward or first pick failed: only its jobs fail
+            if self.filling and self.filling[0] is f:
+                self.filling.popleft()
+            del self.rows[rows:]
+            self.cache.drop_after(rows)
+            for job, _ in f.seqs:
+                job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+
+    def _join(self, f: Filling, logits: torch.Tensor) -> None:
+        """A filled group into the shared cache's rows, with its first tokens."""
+        seqs = f.seqs
+        self.cache.join(f.cache, f.mask)
         self.rows.extend(seqs)
         if self.speculation is not None:
             from .speculate import Pacer, Speculator

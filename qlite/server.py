@@ -355,7 +355,7 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
           max_queue: int = 64, threads: int | None = None, dtype: str = "auto", kernel: str = "auto",
           log=print, limits: Limits = Limits(), kv_cache: str = "bf16", speculate: str | None = None,
           draft_tokens: int = 7, served_model_names: tuple = (), api_key: str | None = None, cors: tuple = (),
-          prompt_cache_mib: int = 256) -> None:
+          prompt_cache_mib: int = 256, prefill_chunk: int = 256) -> None:
     """Load the model, start the engine, serve until Ctrl-C (open requests finish first)."""
     try:
         import uvicorn
@@ -381,7 +381,8 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
         lm = load(model_dir, dtype=dtype, kernel=kernel, threads=threads, kv_cache=kv_cache)
         check_fits(model_dir, lm.model, min(ctx, lm.model.config.context_length), "--ctx", batch=max_batch)
         return Engine(lm, max_batch=max_batch, ctx=ctx, max_queue=max_queue,
-                      speculation=speculation(speculate, lm, draft_tokens), prompt_cache_bytes=prompt_cache_mib << 20)
+                      speculation=speculation(speculate, lm, draft_tokens), prompt_cache_bytes=prompt_cache_mib << 20,
+                      prefill_chunk=prefill_chunk)
 
     engine = Engine.on_own_thread(build)
     lm = engine.lm

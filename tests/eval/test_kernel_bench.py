@@ -75,3 +75,14 @@ def test_against_another_kernel_file(tmp_path, monkeypatch):
     for name, error in (("abi0.c", "not a kernels file"), ("broken.c", "does not compile")):
         r = CliRunner().invoke(kernel_bench.main, ["--against", str(tmp_path / name)])
         assert r.exit_code == 1 and error in r.output, r.output
+
+
+def test_peak_table():
+    """--peak: the CPU's VNNI and FMA rates, then the product's rate at each row count as a share of them."""
+    if native.isa() != "avx512" or not native.vnni_ready():
+        pytest.skip("measures the AVX-512 VNNI kernels")
+    r = CliRunner().invoke(kernel_bench.main, ["--peak", "--rows", "1,2", "--calls", "2", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("one core: vpdpbusd zmm ") and "units)" in r.output, r.output
+    rows = [line.split("|") for line in r.output.splitlines()[3:]]
+    assert [row[1].strip() for row in rows] == ["1", "2"] and all(float(row[3]) > 0 for row in rows), r.output

@@ -215,3 +215,55 @@ def test_the_kv_cache_grows_as_rows_lengthen(lm, monkeypatch):
     assert answers == want
     longest = max(len(lm.prompt_ids(p, chat=False)) for p in prompts) + 20
     assert longest <= engine.cache.cache.capacity < 4 * longest
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_long_prompt_joining_running_streams_is_prefilled_a_chunk_between_their_steps(lm, padded):
+    """While a stream decodes, a long prompt (alone, or with a short one: a left-padded group) is
+    prefilled prefill_chunk tokens at a time with the stream's steps between the chunks: the stream
+    takes a step after every chunk but the last, and every answer is its answer alone."""
+    running, long_prompt, short = "the the he", " ".join(["in the he a"] * 24), "a the"
+    joiners = [long_prompt, short] if padded else [long_prompt]
+    want = {p: lm.generate(p, chat=False, max_new_tokens=n)
+            for p, n in [(running, 60), *((p, 6) for p in joiners)]}
+    long_len = len(lm.prompt_ids(long_prompt, chat=False))
+    answers, done = {}, {}
+
+    def job(prompt, max_tokens):
+        done[prompt], pieces = threading.Event(), []
+
+        def emit(event):
+            if isinstance(event, Text):
+                pieces.append(event.text)
+            elif isinstance(event, (Done, Failed)):
+                answers[prompt] = "".join(pieces) if isinstance(event, Done) else event
+                done[prompt].set()
+        return Job(prepare=lambda: lm.prompt_ids(prompt, chat=False), params=lm.params(), emit=emit,
+                   max_tokens=max_tokens)
+
+    engine = Engine(lm, max_batch=4, ctx=256, prefill_chunk=16, prompt_cache_bytes=0)
+    forward, calls = type(lm.model).forward, []
+
+    def counting(self, ids, *args, **kwargs):
+        calls.append(tuple(ids.shape))  # (rows, tokens)
+        return forward(self, ids, *args, **kwargs)
+
+    engine.submit(job(running, 60))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.load()["active"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(lm.model), "forward", counting)
+            for p in joiners:
+                engine.submit(job(p, 6))
+            assert all(done[p].wait(120) for p in [running, *joiners])
+    finally:
+        engine.stop()
+    assert answers == want
+    rows, width = len(joiners), 16 // len(joiners)
+    chunks = [i for i, (_, T) in enumerate(calls) if T > 1]
+    assert len(chunks) == -(-long_len // width) and all(calls[i] == (rows, width) for i in chunks[:-1])
+    assert all(calls[i + 1] == (1, 1) for i in chunks[:-1])  # the running row's step between two chunks

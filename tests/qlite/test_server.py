@@ -259,6 +259,22 @@ def test_load_script_reports_each_client_count_over_rounds(tiny_ckpt):
     assert "2 round(s)" in r.stdout and "Ctrl-C: exit status 130" in r.stdout
 
 
+def test_load_script_times_a_long_prompt_joining_against_a_second_server(tiny_ckpt):
+    """--long-prompt adds a client sending a long prompt during the load (its time to first token
+    reported, and the others' longest gap); --also runs a second server with other flags in turn."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--clients", "2",
+                        "--requests", "2", "--max-tokens", "8", "--threads", "1", "--long-prompt", "10",
+                        "--also", "--prefill-chunk 0"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 2 |")]
+    assert [row[7].strip() for row in rows] == ["plain", "--prefill-chunk 0"], r.stdout
+    for row in rows:
+        p50, p95, longest = (float(v) for v in row[9].split("/"))
+        assert 0 <= p50 <= p95 <= longest and float(row[10]) > 0, r.stdout
+    assert r.stdout.count("exit status 130") == 2
+
+
 # Hostile requests (issue: hostile input, second pass): each fails alone, in OpenAI's JSON shape,
 # while a well-formed stream beside it is answered exactly as alone.
 

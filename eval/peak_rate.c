@@ -1,0 +1,27 @@
+/* Instruction rates of one core, for eval.kernel_bench --peak: how many AVX-512 VNNI multiply-adds
+ * (vpdpbusd zmm, 64 int8 products each) and float FMAs (vfmadd231ps zmm) it retires per nanosecond, alone and
+ * interleaved 1:1 (whether they share execution units). 12 independent accumulators hide the latencies.
+ * Built with -mavx512f -mavx512vnni; rate() is 0 where the CPU lacks them (the caller checks first). */
+#include <immintrin.h>
+#include <time.h>
+
+static double seconds(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+
+#define TWELVE(op) op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9) op(10) op(11)
+#define DP(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n"
+#define FMA(i) "vfmadd231ps %%zmm30, %%zmm31, %%zmm" #i "\n"
+#define MIX(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n vfmadd231ps %%zmm30, %%zmm31, %%zmm1" #i "\n"
+#define CLOBBER "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11", \
+                "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19"
+
+/* instructions per ns: kind 0 vpdpbusd, 1 vfmadd231ps, 2 both in turn (8 + 8 per round) */
+double qlite_peak_rate(int kind, long rounds) {
+    __asm__ volatile("vpxord %%zmm30, %%zmm30, %%zmm30\n vpxord %%zmm31, %%zmm31, %%zmm31" ::: "zmm30", "zmm31");
+    double t = seconds();
+    for (long n = 0; n < rounds; n++) {
+        if (kind == 0) __asm__ volatile(TWELVE(DP) ::: CLOBBER);
+        else if (kind == 1) __asm__ volatile(TWELVE(FMA) ::: CLOBBER);
+        else __asm__ volatile(MIX(0) MIX(1) MIX(2) MIX(3) MIX(4) MIX(5) MIX(6) MIX(7) ::: CLOBBER);
+    }
+    return (kind == 2 ? 16.0 : 12.0) * rounds / (seconds() - t) / 1e9;
+}
