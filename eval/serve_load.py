@@ -187,8 +187,7 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, deadlin
     results, long_results, running = [], [], threading.Event()
 
     def joiner():  # at least once
-        long_results.append(stream_chat(port, numbered(0, long_prompt), 8))
-        while running.is_set():
+        while not long_results or running.is_set():
             long_results.append(stream_chat(port, numbered(len(long_results), long_prompt), 8))
 
     def client():
