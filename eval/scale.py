@@ -9,7 +9,7 @@ streaming quantize.
                                          [--dir WORK] [--markdown PATH] [--plot PNG]
 
 `measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
-(wall time and the child's peak RSS), and with --bench times the RTN checkpoint's load, prefill and decode
+(wall time, the child's peak RSS and peak anonymous memory), and with --bench times the RTN checkpoint's load, prefill and decode
 (eval.bench's runner, a fresh process). With --llama-cpp SRC (a llama.cpp source tree with its tools built
 in SRC/build/bin, e.g. the one vendored in llama-cpp-python's sdist), the same checkpoint is converted by
 llama.cpp's own convert_hf_to_gguf.py (f16) and llama-quantize (Q4_0, Q8_0), timed the same way, and with
@@ -142,31 +142,41 @@ RECIPES = {  # name: qlite quantize flags (llama.cpp's rows: LLAMA_TYPES)
 
 LLAMA_TYPES = ("Q4_0", "Q8_0")  # llama-quantize's types, from the f16 GGUF its converter writes
 
-# Runs a command and reports its peak RSS: a small Python between this process and the command, because a
-# child's ru_maxrss counts the RSS of the process it was forked from (this one holds torch; the shim does not)
-PEAK_RSS_SHIM = ("import resource, subprocess, sys\n"
-                 "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
-                 "sys.stderr.write(f'\\npeak-rss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}\\n')\n"
-                 "sys.exit(rc)")
+# Runs a command and reports its peak RSS and peak anonymous RSS: a small Python between this process and the
+# command, because a child's ru_maxrss counts the RSS of the process it was forked from (this one holds torch;
+# the shim does not). Anonymous memory (what the process allocated, not the source's mapped pages, which the
+# kernel can drop) is sampled from /proc every 20 ms: a shorter spike can be missed.
+PEAK_RSS_SHIM = ("import resource, subprocess, sys, time\n"
+                 "child, anon = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL), 0\n"
+                 "while child.poll() is None:\n"
+                 "    try:\n"
+                 "        with open(f'/proc/{child.pid}/status') as f:\n"
+                 "            anon = max([anon] + [int(l.split()[1]) * 1024 for l in f if l.startswith('RssAnon:')])\n"
+                 "    except OSError:\n"
+                 "        pass\n"
+                 "    time.sleep(0.02)\n"
+                 "sys.stderr.write(f'\\npeak-rss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024} {anon}\\n')\n"
+                 "sys.exit(child.returncode)")
 
 
-def timed(argv: list[str], env: dict | None = None) -> tuple[float, int, str]:
-    """Run argv in a fresh process: (wall seconds, its peak RSS in bytes, the last line of its stderr if
-    it failed, else '')."""
+def timed(argv: list[str], env: dict | None = None) -> tuple[float, int, int, str]:
+    """Run argv in a fresh process: (wall seconds, its peak RSS and peak anonymous RSS in bytes, the last
+    line of its stderr if it failed, else '')."""
     t = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", PEAK_RSS_SHIM, *argv], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     seconds, err = time.perf_counter() - t, run.stderr
     if run.returncode:
-        return seconds, 0, (err.rsplit("\npeak-rss", 1)[0].strip().splitlines() or ["failed"])[-1]
-    return seconds, int(err.rsplit("peak-rss ", 1)[1].split()[0]), ""
+        return seconds, 0, 0, (err.rsplit("\npeak-rss", 1)[0].strip().splitlines() or ["failed"])[-1]
+    peak, anon = err.rsplit("peak-rss ", 1)[1].split()[:2]
+    return seconds, int(peak), int(anon), ""
 
 
 def row(shape: str, params: int, recipe: str, out: Path, argv: list[str], env: dict | None = None) -> dict:
-    seconds, peak, failed = timed(argv, env)
+    seconds, peak, anon, failed = timed(argv, env)
     files = [out] if out.is_file() else list(out.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files) if not failed else 0
-    return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak,
+    return {"shape": shape, "params": params, "recipe": recipe, "seconds": seconds, "peak": peak, "anon": anon,
             "size": size, "out": str(out), "error": failed}
 
 
@@ -192,14 +202,15 @@ def llama_cpp_rows(shape: str, params: int, src: Path, llama: Path, threads: int
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | parameters | recipe | seconds | s per B params | peak RSS MiB | output MiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | parameters | recipe | seconds | s per B params | peak RSS MiB | peak anonymous MiB | output MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['recipe']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['recipe']} | failed: {r['error']} | | | | |")
             continue
         lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f}B | {r['recipe']} | {r['seconds']:.1f} | "
-                     f"{r['seconds'] / (r['params'] / 1e9):.1f} | {r['peak'] / 2**20:.0f} | {r['size'] / 2**20:.0f} |")
+                     f"{r['seconds'] / (r['params'] / 1e9):.1f} | {r['peak'] / 2**20:.0f} | {r['anon'] / 2**20:.0f} | "
+                     f"{r['size'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 

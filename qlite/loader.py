@@ -104,9 +104,17 @@ def check_stored_values(model, ckpt: CheckpointDir) -> None:
 def float_layer(ckpt: CheckpointDir, cfg, i: int) -> DecoderLayer:
     """Decoder layer i of a 16-bit checkpoint alone, in float32 (cfg: the config without quantization):
     GPTQ's calibration and the quantization report run the source one layer at a time."""
-    layer = DecoderLayer(cfg, i)
-    layer.load_state_dict({key: torch.cat([ckpt.read(f"model.layers.{i}.{name}").float() for name, _ in parts])
-                           for key, parts in checkpoint_layout(layer).items()})
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, i)  # shapes only: each tensor is then made once, in float32
+    state = {}
+    for key, parts in checkpoint_layout(layer).items():
+        stored = [ckpt.read(f"model.layers.{i}.{name}") for name, _ in parts]
+        state[key] = whole = torch.empty(sum(t.shape[0] for t in stored), *stored[0].shape[1:])  # parts' rows stacked
+        row = 0
+        for t in stored:  # widened straight into place: no float32 copy of a part besides
+            whole[row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    layer.load_state_dict(state, assign=True)
     return layer
 
 

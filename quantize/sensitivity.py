@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qlite.checkpoint import CheckpointDir
-from qlite.formats import Format
+from qlite.formats import Format, chunk_rows
 from qlite.loader import float_layer
 from qlite.model import Linear, checkpoint_module
 from qlite.qconfig import EMBEDDINGS
@@ -57,6 +57,15 @@ def quantization_error(w: torch.Tensor, fmt: Format) -> torch.Tensor:
     """W - Q(W) in float32 for a float weight [N, K] (every format quantizes rows independently)."""
     w = w.float()
     return w - fmt.dequantize(fmt.quantize(w), w.shape[1])
+
+
+@torch.no_grad()
+def output_change(x: torch.Tensor, w: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """x @ (W - Q(W)).T for inputs x (..., K) and a weight [N, K], the error made in the quantizer's
+    chunks of rows: made whole, its temporaries took 8 GB for a 72B layer's gate_up, and left the caches."""
+    rows = chunk_rows(w.shape[1])
+    return torch.cat([x @ quantization_error(w[r:r + rows], fmt).T for r in range(0, w.shape[0], rows)],
+                     dim=-1)  # (..., N)
 
 
 @torch.inference_mode(False)
@@ -101,8 +110,9 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
             scores[unit] = torch.zeros(len(fmts), samples, windows)
 
             def keep_deltas(module, args, output, unit=unit, fmts=fmts):
-                if unit not in deltas:  # the first sample: each format's output change, (windows, seqlen, out)
-                    deltas[unit] = [args[0] @ quantization_error(module.weight, f).T for f in fmts]
+                if unit not in deltas:  # the first sample: each format's output change, (windows, seqlen, out),
+                    # outside the graph (an x @ error product in it would keep each format's error for backward)
+                    deltas[unit] = [output_change(args[0], module.weight, f) for f in fmts]
                 output.register_hook(lambda g, unit=unit: add_scores(unit, g))
 
             hooks.append(linear.register_forward_hook(keep_deltas))
@@ -117,6 +127,7 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
             grads[s] = torch.autograd.grad(y, x_in, grads[s])[0]
         for h in hooks:
             h.remove()
+        del layer, deltas  # before the next layer is read
         out.update({unit: [cost(sc[j]) for j in range(sc.shape[0])] for unit, sc in scores.items()})
 
     if EMBEDDINGS in candidates:  # the looked-up rows' change, against the gradient at the first layer's input

@@ -90,7 +90,7 @@ def test_degenerate_groups_survive():
 def test_chunked_quantization_equals_whole(name, monkeypatch):
     fmt, w = format_named(name), weights(1000, 256)
     whole = fmt.quantize(w)
-    monkeypatch.setattr("qlite.formats.CHUNK_ROWS", 300)
+    monkeypatch.setattr("qlite.formats.CHUNK_ELEMENTS", 300 * 256)  # 300 rows at a time
     chunked = fmt.quantize(w)
     assert all(torch.equal(whole[k], chunked[k]) for k in whole)
 

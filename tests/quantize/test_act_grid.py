@@ -80,7 +80,7 @@ def test_each_group_gets_its_best_candidate(fmt):
 def test_stored_form(fmt, monkeypatch):
     w, _, h = setup()
     with monkeypatch.context() as m:
-        m.setattr("qlite.formats.CHUNK_ROWS", 24)
+        m.setattr("qlite.formats.CHUNK_ELEMENTS", 24 * w.shape[1])
         stored = act_quantize(w, h, fmt)  # rows in chunks: the same as whole
     assert all(torch.equal(v, act_quantize(w, h, fmt)[k]) for k, v in stored.items())
     shapes = fmt.stored_shapes(*w.shape)

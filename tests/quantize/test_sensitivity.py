@@ -6,7 +6,7 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.formats import format_named
 from qlite.loader import load_model
-from quantize.sensitivity import calibration_windows, quantization_error, sensitivities, units
+from quantize.sensitivity import calibration_windows, output_change, quantization_error, sensitivities, units
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 
 FORMATS = [format_named("int4-g128"), format_named("int8")]
@@ -49,3 +49,16 @@ def test_estimates_match_the_measured_kld_of_each_unit_alone(src):
                 assert 0.6 * measured < guess < 1.6 * measured, (name, fmt.name, guess, measured)
         weight.copy_(kept)
     assert all(a > 10 * b for a, b in estimated.values())  # int4-g128 costs far more than int8 everywhere
+
+
+def test_output_change_is_made_in_row_blocks_outside_the_graph(monkeypatch):
+    """x @ (W - Q(W)).T a block of rows at a time, kept out of autograd: inside it, each format's
+    weight-sized error stayed alive for the backward (a 72B layer's quantize ran out of memory)."""
+    monkeypatch.setattr("qlite.formats.CHUNK_ELEMENTS", 48 * 256)  # blocks of 48, 48 and 32 rows
+    w = torch.randn(128, 256) * 0.02
+    x = torch.randn(2, 5, 256, requires_grad=True)
+    for fmt in FORMATS:
+        with torch.enable_grad():
+            got = output_change(x, w, fmt)
+        assert not got.requires_grad and got.shape == (2, 5, 128)
+        torch.testing.assert_close(got, x.detach() @ quantization_error(w, fmt).T, rtol=1e-5, atol=1e-6)
