@@ -27,7 +27,7 @@ from qlite.tokenizer import Tokenizer
 from quantize.report import can_measure, reference
 from quantize.convert import Summary, plan_conversion, source_and_output, write_quantized
 from quantize.act_grid import act_quantize
-from quantize.gptq import gptq_linear, hessian_update
+from quantize.gptq import Hessian, gptq_linear, hessian_of
 from quantize.source_pass import Windows, embedded, final_norm, head_weight, source_pass
 
 BATCH = 4  # calibration windows per forward
@@ -98,15 +98,15 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
 
     def calibrate(i: int, layer) -> None:  # Hessians of the float layer's inputs; quantize; run the quantized one
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, Linear)}
-        hessians = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
-        hooks = [m.register_forward_hook(lambda m, inp, _, n=n: hessian_update(hessians[n], inp[0]))
+        hessians = {n: Hessian(m.in_features) for n, m in linears.items()}
+        hooks = [m.register_forward_hook(lambda m, inp, _, n=n: hessians[n].add(inp[0]))
                  for n, m in linears.items()]
         for b in range(0, nsamples, BATCH):
             layer(calib_windows.x[b:b + BATCH], calib_windows.step)
         for h in hooks:
             h.remove()
         for n, m in linears.items():
-            quantize_linear(f"model.layers.{i}.{n}", m, hessians.pop(n))
+            quantize_linear(f"model.layers.{i}.{n}", m, hessians.pop(n).matrix())
         calib_windows.through(layer)  # the quantized layer's outputs: the next layer's inputs
 
     source_pass(src, list(riders), after=calibrate, progress=progress, desc=method)
@@ -114,8 +114,7 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
     x, calib_windows.x = final_norm(src)(calib_windows.x), None
     head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     head.weight = torch.nn.Parameter(head_weight(src).float(), requires_grad=False)
-    hessian = torch.zeros(cfg.hidden_size, cfg.hidden_size)
-    hessian_update(hessian, x)
+    hessian = hessian_of(x)
     del x
     quantize_linear("lm_head", head, hessian, update=False)
     return out

@@ -7,7 +7,7 @@ import torch
 
 from qlite.formats import Int4, Int4K, Int8, SCALE_CODE_MAX, round_to_grid
 from quantize.act_grid import SHRINK, act_grid, act_quantize, group_blocks
-from quantize.gptq import hessian_update
+from quantize.gptq import hessian_of
 
 ACT_FORMATS = [Int4(32), Int4(128), Int4K(32), Int4K(64)]
 
@@ -22,8 +22,7 @@ def correlated_inputs(n, k, seed=1):
 def setup(k=256, n_out=64, seed=2):
     w = torch.randn(n_out, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     x = correlated_inputs(2048, k)
-    h = torch.zeros(k, k)
-    hessian_update(h, x)
+    h = hessian_of(x)
     return w, x, h
 
 

@@ -5,7 +5,7 @@ import torch
 
 from qlite.formats import Int4, Int4K, Int8
 from quantize.act_grid import act_quantize
-from quantize.gptq import gptq_linear, hessian_update
+from quantize.gptq import Hessian, gptq_linear, hessian_of
 
 FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int4(256)]
 
@@ -39,8 +39,7 @@ def test_gptq_output_error_is_lower_than_rtn(fmt, act_order):
     n_out, k = 64, 256
     w = torch.randn(n_out, k, generator=torch.Generator().manual_seed(2)) * 0.05
     x = correlated_inputs(2048, k)
-    h = torch.zeros(k, k)
-    hessian_update(h, x)
+    h = hessian_of(x)
     ref = x @ w.t()
     err = lambda stored: ((x @ dequantized(stored, fmt, n_out, k).t() - ref).norm() / ref.norm()).item()
     rtn, gptq = err(fmt.quantize(w)), err(gptq_linear(w, h, fmt, act_order=act_order))
@@ -52,9 +51,19 @@ def test_dead_inputs_and_bad_group():
     w = torch.randn(16, 256)
     x = torch.randn(300, 256)
     x[:, 5] = 0  # an input that never fires
-    h = torch.zeros(256, 256)
-    hessian_update(h, x)
+    h = hessian_of(x)
     stored = gptq_linear(w, h, Int4(64))
     assert torch.isfinite(stored["scales"].float()).all()
     with pytest.raises(QliteError, match="--group-size 96"):
         gptq_linear(torch.randn(4, 192), torch.eye(192), Int4(96))
+
+
+def test_hessian_from_its_upper_blocks_is_the_whole_product(monkeypatch):
+    monkeypatch.setattr(Hessian, "BLOCK_COLUMNS", 48)  # 200 inputs: 5 block rows, the last one short
+    x = correlated_inputs(3 * 70, 200)
+    acc = Hessian(200)
+    for batch in x.reshape(3, 70, 200):  # (3 batches, tokens, K)
+        acc.add(batch)
+    h = acc.matrix()
+    torch.testing.assert_close(h, x.t() @ x, rtol=1e-5, atol=1e-3)
+    assert torch.equal(h, h.t())
