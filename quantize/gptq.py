@@ -63,7 +63,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
     G = fmt.group_size or K
     if G != K and BLOCK % G and G % BLOCK:
         raise QliteError(f"--group-size {G}: GPTQ needs a group size that divides {BLOCK} or is a multiple of it")
-    # one (K, K) copy beside the caller's at a time, two inside the factorisations: 1.4 GB each at K = 18944
+    # at most two (K, K) copies beside the caller's (the act-order gather, the factorisations): 1.4 GB each at K = 18944
     H = hessian.float().clone()
     dead = torch.diag(H) == 0  # inputs that are always zero: any value works, pick 0
     H[dead, dead] = 1
