@@ -195,14 +195,18 @@ def peak_rates() -> dict[str, float]:
 
 def time_peak(rows: list[int], calls: int, threads: int) -> None:
     """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
-    the rate this CPU's vector units allow the kernel's instruction mix: per 128 products of one weight row
-    and one activation row it issues 2 vpdpbusd and 2 float multiplies (the lane scales times the weight
-    scale, then the FMA into the sum), and the measured rates say whether those share units."""
+    the rate this CPU's vector units allow the kernel's instruction mix. int4 in lanes (native.int4_lanes):
+    a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure
+    vpdpbusd is its bound. The per-8-input kernel before it: per 128 products of one weight row and one
+    activation row 2 vpdpbusd and 2 float multiplies (the lane scales times the weight scale, then the FMA
+    into the sum), and the measured rates say whether those share units."""
     if native.isa() != "avx512":
         raise click.ClickException("--peak measures the AVX-512 VNNI kernels: this CPU runs others")
     rates = peak_rates()
     shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
     per_core = (rates["vpdpbusd + fma"] if shared else rates["vpdpbusd"]) * 1e9 * 128 / (4 if shared else 2)
+    if native.int4_lanes():
+        per_core = rates["vpdpbusd"] * 1e9 * 64
     print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
           f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
           f"pure vpdpbusd: {threads * rates['vpdpbusd'] * 64:.0f} G multiply-adds/s on {threads} threads, "
@@ -269,6 +273,15 @@ def product_of(kind: str, fmt, stored: dict):
 AGAINST_7B = [("integer x", fmt, N, K) for _, fmt, N, K in SHAPES_7B] + [("integer x", Int8(None), 152064, 3584)]
 
 
+def tile_with(lib, qweight: torch.Tensor) -> torch.Tensor:
+    """native.tile_codes by another build of the kernels (lib)."""
+    int4 = qweight.dtype == torch.uint8
+    out = torch.empty_like(qweight)
+    lib.qlite_tile_codes(qweight.data_ptr(), out.data_ptr(), qweight.shape[0], qweight.shape[1] * (2 if int4 else 1),
+                         int(int4), torch.get_num_threads())
+    return out
+
+
 def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
     import copy
     import shutil
@@ -297,8 +310,11 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
         copies = [{k: t.clone() for k, t in stored.items()} for _ in range(max(2, STREAM_BYTES // nbytes))]
         current = [product_of(kind, fmt, c) for c in copies]
         against = [copy.copy(p) for p in current]
-        for p in against:
+        for p, c in zip(against, copies):
             p.fn = getattr(other, p.fn_name)
+            if kind == "integer x":  # codes tiled as the other file lays them out (its int4 layout may differ)
+                p.buffers = (tile_with(other, c["qweight"]), *p.buffers[1:])
+                p.args = (p.buffers[0].data_ptr(), *p.args[1:])
         x = torch.randn(1, K).bfloat16()
         same = torch.equal(current[0](x), against[0](x))
         times = interleaved({"current": lambda: [p(x) for p in current], "against": lambda: [p(x) for p in against]},

@@ -12,7 +12,9 @@ needs and is called with the activations. backends.py says which kernels a backe
   (bucketed_linear; float32 ones on AVX2, which has no bf16 arithmetic). No copy, so memory holds the
   checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the decoding product quantizes the activations
-  (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs) and multiplies in integers,
+  (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs; AVX-512's int4 product a
+  scale per group of at most 128 inputs, the prefill GEMM's, at every row count: native.int4_lanes)
+  and multiplies in integers,
   as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence; int8 weights on AVX2 every row count,
   prefill included): vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd, the same integer products.
   int4 weights past VNNI_MAX_ROWS rows (prefill): a matrix-matrix product on int8 activations (a scale

@@ -251,6 +251,13 @@ def vnni_ready() -> bool:
     return library() is not None and library().qlite_vnni_abi() == 1
 
 
+def int4_lanes() -> bool:
+    """Whether int4 weights' few-row products run in lanes (kernels.c, AVX-512 VNNI): codes tiled 16 rows to a
+    block, activations quantized as the prefill GEMM's (absmax / 127 per span: the group, at most CHUNK inputs),
+    each row's result bitwise the GEMM's at any row count. Elsewhere (AVX2) a scale per 8 inputs."""
+    return vnni_ready() and hasattr(library(), "qlite_int4_lanes")
+
+
 def vnni_max_rows() -> int:
     """Rows per sequence up to which the integer-activation matrix-vector products run (more: int4 layers
     take the GEMM, gemm_int4_product, on both ISAs; int8 ones dequantize for one matmul): 16 beside
@@ -268,8 +275,8 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
 def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] or packed int4 codes (uint8) [N, K/2], row-major as stored -> a copy laid out as
     the integer-activation products take them (common.h's int8_tiled / int4_tiled): each block of ROWS rows
-    chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream.
-    Same shape, same bytes, another order."""
+    chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream; int4
+    codes where int4_lanes(): blocks of 16 rows, [K / 8][rows][4 bytes]. Same shape, same bytes, another order."""
     int4 = qweight.dtype == torch.uint8
     _check(qweight, torch.uint8 if int4 else torch.int8, (qweight.shape[0], qweight.shape[-1]), "qweight")
     K = qweight.shape[1] * (2 if int4 else 1)
@@ -281,8 +288,8 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
-    int8 for int4; absmax scale per 8 inputs) and integer dot products: not exact in x (kernels.c).
-    Codes tiled (tile_codes)."""
+    int8 for int4; absmax scale per 8 inputs, or per group for int4 where int4_lanes()) and integer dot
+    products: not exact in x (kernels.c). Codes tiled (tile_codes)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_rule(int4 or row_scales is None, "row_scales without zeros (int4k is int4)")
@@ -306,7 +313,8 @@ def gemm_ready() -> bool:
 
 def gemm_int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int4_product for many rows (prefill): x quantized to int8 per row and span of inputs (the group, at
-    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h). Codes tiled
+    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h; AVX-512: the int4
+    product in lanes, the same numbers). Codes tiled
     (tile_codes)."""
     N, K = qweight.shape[0], 2 * qweight.shape[1]
     _check_int4(qweight, scales, zeros, row_scales, 32)

@@ -1,13 +1,17 @@
-/* The integer-activation product's driver, the same in both kernel files (kernels.c, kernels_avx2.c):
+/* The integer-activation product's driver, the same in both kernel files (kernels.c, kernels_avx2.c; int4
+ * weights in a file that defines INT4_LANES go to its int4_lanes_product instead):
  * activations quantized once (int8 for int4 weights, int16 for int8 ones), then blocks of ROWS weight rows
  * (split over OpenMP threads) against XTILE activation rows at a time. Each file defines, before including
- * this, quantize_activations_int8/_int16, XTILE and
+ * this, quantize_activations_int16 (and _int8 unless INT4_LANES), XTILE and
  *   int_block(xq, xs, xsum, K, G, w, scales, sw, sz, int4, small, nrows, mrows, out)   out [ROWS * XTILE]
  * (always inline: the constant arguments below specialise it). */
 
 /* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as int8_tiled / int4_tiled
- * (common.h) read them; native.tile_codes */
+ * (common.h) read them, or int4 codes as the file's INT4_LANES layout has them; native.tile_codes */
 void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4, int threads) {
+#ifdef INT4_LANES
+    if (int4) { tile_int4_lanes(src, dst, N, K, threads); return; }  /* the file's own int4 layout */
+#endif
     long C = K / CHUNK, step = int4 ? CHUNK / 2 : CHUNK, row_bytes = C * step;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
@@ -23,11 +27,17 @@ void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
                      int threads) {
+#ifdef INT4_LANES
+    if (int4) { int4_lanes_product(x, M, w, scales, row_scales, zeros, G, N, K, bias, y, out_bf16, threads); return; }
+#endif
     long C = K / CHUNK, wbytes = int4 ? K / 2 : K, xbytes = int4 ? 1 : 2;
     int small = G > C;  /* groups of 32 or 64 (native.py checks) */
     void *xq = malloc(xbytes * M * K);
     float *xs = malloc(sizeof(float) * M * C * 16), *xsum = malloc(sizeof(float) * M * G);
-    if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else quantize_activations_int16(x, M, K, xq, xs);
+#ifndef INT4_LANES
+    if (int4) quantize_activations_int8(x, M, K, G, xq, xs, xsum); else
+#endif
+    quantize_activations_int16(x, M, K, xq, xs);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
         int nrows = N - n < ROWS ? (int)(N - n) : ROWS;

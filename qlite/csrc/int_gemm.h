@@ -1,5 +1,5 @@
-/* The integer-activation matrix-matrix product for prefill (many rows), the same driver in both kernel files
- * (kernels.c, kernels_avx2.c); int4 weights. The matrix-vector kernel (int_driver.h) keeps each dot product
+/* The integer-activation matrix-matrix product for prefill (many rows) of the AVX2 kernels (kernels_avx2.c;
+ * kernels.c's int4 product in lanes computes the same numbers at every row count); int4 weights. The matrix-vector kernel (int_driver.h) keeps each dot product
  * in the lanes of one vector and reduces them at the end, which costs float work per 8 inputs; here a
  * vector's lanes are LANES activation rows, so an integer multiply-add vector advances LANES dot products
  * by 4 inputs, and a SPAN of inputs (the weight group, at most CHUNK) is summed in integers first:

@@ -13,7 +13,7 @@
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
  * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers (below).
- * For many rows (prefill), int4 weights meet int8 activations in a GEMM (int_gemm.h); the dequantize_*
+ * int4 weights meet int8 activations in one product at every row count ("in lanes", below); the dequantize_*
  * functions write bf16 weights for the other formats' many-row case, where a bf16 matmul wins.
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
  * and rotary + KV-cache write + attention for one token.
@@ -102,71 +102,26 @@ static inline uint16_t to_int4_act(uint16_t v) { return v; }
 #include "drivers.h"
 
 
-/* ---- integer activations x int4 / int8 weights (VNNI) --------------------------------------------
- * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers.
- *   int4 weights: x to int8 (absmax / 127, rounded to nearest even) and vpdpbusd (u8 codes 0..15 x s8 -> s32);
- *     the zero point through xsum = each group's sum of xs * xq.
- *   int8 weights: x to int16 (absmax / 32767) and vpdpwssd (s16 x s16): int8 activations cost int8
- *     checkpoints 10-25% more KLD on the demo model, int16 ones nothing measurable.
- * A chunk of 128 inputs sums its products in 16 int32 lanes; each lane's 8 inputs are one block of x with
- * its own scale (finer than llama.cpp's 32, for free: the scales are a vector), so
- * y[m, n] = sum_c sw[g(c)] sum_lanes xs[m, c, lane] dot_lane  -  sum_g sw[g] z[g] xsum[m, g]  (int4 only):
- * the stored weights (q - z) sw exactly, times x's integer image. Groups are whole chunks, or 32 or 64
- * inputs: int4's lanes each lie in one group, int8's vectors of 32 inputs each (native.py checks).
- * int4's 64 bytes hold 128 weights, even k in the low nibbles, so its activation chunk is stored
- * [64 even | 64 odd]; int8's in k order. Weights are unpacked once per chunk for XTILE activation rows. */
+/* ---- integer activations x int8 weights (VNNI) -----------------------------------------------------
+ * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers. int8 weights
+ * meet int16 activations (absmax / 32767, rounded to nearest even) in vpdpwssd (s16 x s16): int8 activations
+ * cost int8 checkpoints 10-25% more KLD on the demo model, int16 ones nothing measurable. A chunk of 128
+ * inputs sums its products in 16 int32 lanes; each lane's 8 inputs are one block of x with its own scale (the
+ * scales are a vector), so y[m, n] = sum_c sw[g(c)] sum_lanes xs[m, c, lane] dot_lane: the stored weights q sw
+ * exactly, times x's integer image. Groups are whole chunks, or 32 or 64 inputs: each of a chunk's 4 vectors
+ * of 32 inputs lies in one group (native.py checks). Weights are unpacked once per chunk for XTILE activation
+ * rows. int4 weights take their own product ("in lanes", below: activations int8 per group of inputs). */
 #if defined(__AVX512VNNI__)
 #define XTILE 4  /* activation rows per pass over a block of ROWS weight rows */
 #define INTEGER_PRODUCTS  /* decode_step.h calls qlite_gemv_vnni */
 
 int qlite_vnni_abi(void) { return 1; }
 
-/* The absmax of each 4 (pairs: 2) neighbouring floats of v, in each of them */
-static inline __m512 max_of_4(__m512 v) {
-    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));  /* swap neighbours */
-    return _mm512_max_ps(v, _mm512_permute_ps(v, 0x4E));  /* swap pairs */
-}
-
 static inline __m512 inverse(__m512 a, float top) {  /* top / a, 0 where a is 0 */
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(top), a);
 }
 
-/* int4's activations: x bf16 [M, K] -> xq int8 [M, K] (layout above), xs fp32 [M, K / CHUNK, 16] (each
- * dot-product lane's scale: its block is the 8 inputs k = 8 lane .. 8 lane + 7 of the chunk), xsum fp32 [M, G] */
-static void quantize_activations_int8(const uint16_t *x, long M, long K, long G, int8_t *xq, float *xs, float *xsum) {
-    long C = K / CHUNK, gsize = K / G, per_group = C / G;  /* per_group: chunks per group (0: groups of 32 or 64) */
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    const __m512i every_4th = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-    for (long m = 0; m < M; m++)
-        for (long c = 0; c < C; c++) {
-            float *lane_scale = xs + (m * C + c) * 16;
-            int8_t *dst = xq + m * K + c * CHUNK;
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                /* 32 bf16 = 16 (even, odd) pairs: the evens become bytes 16j.. of the chunk's first half, the
-                 * odds of its second, both lanes 4j..4j+3 of the dot product (4 inputs each) */
-                __m512i pair = _mm512_loadu_si512(x + m * K + c * CHUNK + 32 * j);
-                __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-                __m512 amax = max_of_4(_mm512_max_ps(_mm512_abs_ps(even), _mm512_abs_ps(odd)));
-                __m512 inv = inverse(amax, 127.f), d = _mm512_mul_ps(amax, _mm512_set1_ps(1.f / 127.f));
-                __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(even, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(odd, inv));
-                _mm_storeu_si128((__m128i *)(dst + 16 * j), _mm512_cvtsepi32_epi8(qa));  /* |q| <= 127 */
-                _mm_storeu_si128((__m128i *)(dst + 64 + 16 * j), _mm512_cvtsepi32_epi8(qb));
-                if (per_group) sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qa, qb)), d, sum);
-                else {  /* these 32 inputs (k = 32 j ..) lie in one group of 32 or 64 */
-                    long g = m * G + (c * CHUNK + 32 * j) / gsize;
-                    if ((c * CHUNK + 32 * j) % gsize == 0) xsum[g] = 0.f;
-                    xsum[g] += _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(qa, qb)), d));
-                }
-                _mm_storeu_ps(lane_scale + 4 * j, _mm512_castps512_ps128(_mm512_permutexvar_ps(every_4th, d)));
-            }
-            if (!per_group) continue;
-            if (c % per_group == 0) xsum[m * G + c / per_group] = 0.f;
-            xsum[m * G + c / per_group] += _mm512_reduce_add_ps(sum);
-        }
-}
-
-/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs as above. The chunk is 4 vectors of 32
+/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs fp32 [M, K / CHUNK, 16] (each lane's scale). The chunk is 4 vectors of 32
  * int16; lane l of vector t holds k = 32 t + 2 l', 32 t + 2 l' + 1 (l' = l mod 8, the second 16 inputs of
  * the 32 for l >= 8), so a lane's block is those 8 inputs, 2 from each vector. */
 static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_t *xq, float *xs) {
@@ -190,162 +145,245 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
         }
 }
 
-/* one block of nrows weight rows against mrows activation rows; out[r * XTILE + m].
- * sz[r][g] = sw z (int4) for the zero-point term, summed into the same vector before the one reduction. */
+/* ---- int4 weights in lanes: their products at every row count (decode, verification, a batch, prefill) -----
+ * int_block below keeps one dot product in a vector's lanes and pays float work per 8 inputs; from a few rows
+ * on, that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). For
+ * int4 weights the lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4
+ * bytes] (a row's 4 bytes: its 8 codes of inputs 8 w .. 8 w + 7 as stored, byte b's low nibble input 8 w + 2 b),
+ * and 4 inputs of one activation row broadcast: a vpdpbusd advances LROWS dot products by 4 inputs at any row
+ * count, and sums stay integer over a span (the group, at most CHUNK inputs). The activations are int8, absmax /
+ * 127 per row and span, and the float steps per block of LKC inputs f = fma(sum, xs ws, f) over its spans from
+ * 0, then total + f: the numbers of the GEMM (int_gemm.h, as AVX2 still runs it) that this replaced for
+ * prefill, bitwise; and a row's result is the same at any row count (tested), so a verification pass or a
+ * batch keeps each row's decode bits. The product is further below; the layout is here, for the drivers. */
+#define INT4_LANES
+int qlite_int4_lanes(void) { return 1; }  /* native.int4_lanes */
+#define LROWS 16  /* weight rows per block: a vector's lanes */
+#define LTILE 8  /* activation rows per pass over a block's inputs (8 accumulators, 8 sums in registers) */
+
+/* packed int4 codes [N, K/2] row-major -> the lanes layout (native.tile_codes) */
+static void tile_int4_lanes(const uint8_t *src, uint8_t *dst, long N, long K, int threads) {
+    long words = K / 8, row_bytes = K / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += LROWS) {
+        long bn = N - n < LROWS ? N - n : LROWS;
+        for (long r = 0; r < bn; r++)
+            for (long i = 0; i < words; i++) memcpy(dst + n * row_bytes + (i * bn + r) * 4, src + (n + r) * row_bytes + i * 4, 4);
+    }
+}
+
+static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                               int threads);
+
+/* one block of nrows int8 weight rows against mrows activation rows; out[r * XTILE + m] (int_driver.h's
+ * arguments: int4 is 0 here, xsum, scales and sz unused). small: groups of 32 or 64, several per chunk: each
+ * of the 4 vectors' 32 inputs lie in one group, so its dot product is scaled on its own */
 static inline __attribute__((always_inline)) void int_block(
         const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
         const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
-    /* small: groups of 32 or 64, several per chunk. int4: lane l's 8 inputs lie in group l / (gsize / 8) of the
-     * chunk, so the weight scale is a vector (lane_sw) instead of one number; int8: each of the 4 vectors'
-     * 32 inputs lie in one group, so its dot product is scaled on its own */
+    (void)xsum, (void)scales, (void)sz, (void)int4;
     long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i lane_group = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 in_chunk == 4 ? 2 : 3);  /* l / 4 (groups of 32), l / 8 (of 64) */
-    const __mmask16 chunk_groups = (__mmask16)((1u << in_chunk) - 1);
-    __m512 lane_sw[ROWS];
     __m512 total[ROWS][XTILE];
     for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
     for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        if (int4 && small)  /* from the fp16 scales: a vector load of sw, just written by scalar stores, stalls
-                             * (int4-g64 / -g32 products 1.1-1.3x faster so) */
-            for (int r = 0; r < nrows; r++)
-                lane_sw[r] = _mm512_permutexvar_ps(lane_group, _mm512_castps256_ps512(_mm256_cvtph_ps(
-                    _mm_maskz_loadu_epi16((__mmask8)chunk_groups, scales + r * G + g))));
-        __m512i wv[ROWS][4];  /* int4: 2 vectors of u8 codes (even k, odd k); int8: 4 of s16 codes */
+        __m512i wv[ROWS][4];  /* 4 vectors of s16 codes */
         for (int r = 0; r < nrows; r++) {
-            if (int4) {  /* tiled (common.h): one stream */
-                const uint8_t *wr = int4_tiled(w, nrows, r, c * CHUNK);
-                _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
-                __m512i b = _mm512_loadu_si512(wr);
-                __asm__("" : "+v"(b));  /* one load for both nibbles: loads, not arithmetic, bound this loop */
-                wv[r][0] = _mm512_and_si512(b, low);
-                wv[r][1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-            } else {
-                const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);
-                _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
-                _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
-                for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
-            }
+            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* tiled (common.h): one stream */
+            _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
+            for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
         }
         for (int m = 0; m < mrows; m++) {
             __m512 d = _mm512_loadu_ps(xs + (m * C + c) * 16);
             __m512i xv[4];
-            for (int i = 0; i < (int4 ? 2 : 4); i++)
-                xv[i] = _mm512_loadu_si512((const uint8_t *)xq + (m * K + c * CHUNK) * (int4 ? 1 : 2) + 64 * i);
-            if (int4) __asm__("" : "+v"(xv[0]), "+v"(xv[1]));  /* loaded once for the block's rows, not per row */
+            for (int i = 0; i < 4; i++) xv[i] = _mm512_loadu_si512((const int16_t *)xq + m * K + c * CHUNK + 32 * i);
             for (int r = 0; r < nrows; r++) {
                 __m512i dot = _mm512_setzero_si512();
-                if (!int4 && small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
+                if (small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
                     for (int i = 0; i < 4; i++)
                         total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, wv[r][i], xv[i])),
                                                       _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g + i * in_chunk / 4])), total[r][m]);
                     continue;
                 }
-                if (int4) dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, wv[r][0], xv[0]), wv[r][1], xv[1]);
-                else for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
+                for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
                 /* the weight scale as a broadcast memory operand: no register held for it */
-                __m512 scale = small ? lane_sw[r] : _mm512_set1_ps(sw[r][g]);
-                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, scale), total[r][m]);
+                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g])), total[r][m]);
             }
         }
     }
     for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) {
-            for (long g = 0; int4 && g < G; g += 16) {
-                __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);
-                total[r][m] = _mm512_fnmadd_ps(_mm512_maskz_loadu_ps(k, sz[r] + g), _mm512_maskz_loadu_ps(k, xsum + m * G + g), total[r][m]);
-            }
-            out[r * XTILE + m] = _mm512_reduce_add_ps(total[r][m]);
-        }
+        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = _mm512_reduce_add_ps(total[r][m]);
 }
 
 #include "int_driver.h"
 
-/* ---- the prefill product (int_gemm.h): 16 activation rows a vector, vpdpbusd --------------------- */
-#define LANES 16
-#define MV 3  /* activation vectors per tile: ROWS x MV = 12 integer and 12 float accumulators */
+/* ---- int4 weights in lanes (above): the product, for every row count ------------------------------- */
+#define LKC 512  /* inputs per block of float sums: int_gemm.h's KC, so prefill's numbers stay the GEMM's */
+#define LMB 256  /* activation rows quantized and taken at a time */
+#define LGROUP 4  /* blocks a thread takes at a time past 16 rows: each activation block read once for 64 weight rows */
 
-/* 64 int4 weights of one row (32 bytes, even k in the low nibbles) as int8 q - z in k order, z0 for the
- * first 32 and z1 for the rest; sums: each 32's sum of q - z */
-static inline void unpack_64_int4(const uint8_t *w, uint8_t z0, uint8_t z1, int8_t *out, int32_t *sums) {
-    __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
-    __m512i q = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi16(0x000f)),
-                                _mm512_and_si512(_mm512_slli_epi16(t, 4), _mm512_set1_epi16(0x0f00)));  /* bytes in k order */
-    __m512i sad = _mm512_sad_epu8(q, _mm512_setzero_si512());  /* 8 sums of 8 codes */
-    sums[0] = (int32_t)_mm512_mask_reduce_add_epi64(0x0f, sad) - 32 * z0;
-    sums[1] = (int32_t)_mm512_mask_reduce_add_epi64(0xf0, sad) - 32 * z1;
-    __m512i z = _mm512_inserti64x4(_mm512_set1_epi8((char)z0), _mm256_set1_epi8((char)z1), 1);
-    _mm512_storeu_si512(out, _mm512_sub_epi8(q, z));
-}
-
-static inline __m512 gemm_load_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
+static inline __m512 load16_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* the largest |x| of n bf16 (n a multiple of 16) */
-static inline float absmax_bf16(const uint16_t *p, long n) {
-    __m512 amax = _mm512_setzero_ps();
-    for (long k = 0; k < n; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(gemm_load_bf16(p + k)));
-    return _mm512_reduce_max_ps(amax);
+/* one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs: the 4 even, then the 4 odd, as a lanes word's
+ * nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S] (each span's sum of xa). x * (127 / absmax)
+ * rounded to nearest even, as int_gemm.h quantizes. */
+static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum) {
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    for (long s = 0; s < K / span; s++) {
+        const uint16_t *src = x + s * span;
+        __m512 amax_v = _mm512_setzero_ps();
+        for (long k = 0; k < span; k += 16) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(load16_bf16(src + k)));
+        float amax = _mm512_reduce_max_ps(amax_v), inv = amax > 0.f ? 127.f / amax : 0.f;
+        xd[s] = amax / 127.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (long k = 0; k < span; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_bf16(src + k), _mm512_set1_ps(inv)));
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(xa + s * span + k), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), even_odd));
+        }
+        xsum[s] = _mm512_reduce_add_epi32(sum);
+    }
 }
 
-#define QUANTIZE_STEP 16
-/* 16 bf16 -> 128 + round(x inv), as bytes (1..255) */
-static inline void quantize_u8(const uint16_t *p, float inv, uint8_t *out) {
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(gemm_load_bf16(p), _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
-}
-
-/* acc += the products of x's u8 with b's s8: the intrinsic's copy in and out of each accumulator (GCC
- * 12 did not coalesce them: 2 moves per vpdpbusd) made the tile 1.x slower */
+/* acc += the products of x's u8 with b's s8: the intrinsic's copy in and out of each accumulator (GCC 12 did
+ * not coalesce them: 2 moves per vpdpbusd) made a GEMM tile 1.x slower */
 static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, __m512i x, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
 }
 
-/* acc [ROWS, ...] (row stride Mp) += the products of ROWS weight rows (wq, kc inputs from k0) with mv vectors of
- * activation rows (xq, xs from the tile's first row) */
-static inline __attribute__((always_inline)) void gemm_tile_body(
-        const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq, const int32_t *wcorr,
-        const float *wsc, int mv, float *acc, long Mp) {
-    long S = K / span, spans = kc / span;
-    __m512 f[ROWS][MV];
-    for (int r = 0; r < ROWS; r++) for (int v = 0; v < mv; v++) f[r][v] = _mm512_setzero_ps();
-    for (long j = 0; j < spans; j++) {
-        __m512i a[ROWS][MV];
-        for (int r = 0; r < ROWS; r++) for (int v = 0; v < mv; v++) a[r][v] = _mm512_set1_epi32(wcorr[r * spans + j]);
-        const uint8_t *xk = xq + (k0 + j * span) * LANES;
-        const int8_t *wk = wq + j * span;
-        for (long k = 0; k < span; k += 4) {
-            __m512i xv[MV];
-            for (int v = 0; v < mv; v++) xv[v] = _mm512_load_si512(xk + v * K * LANES + k * LANES);
-            for (int r = 0; r < ROWS; r++) {
-                int32_t word;
-                memcpy(&word, wk + r * kc + k, 4);
-                __m512i b = _mm512_set1_epi32(word);
-                for (int v = 0; v < mv; v++) dpbusd_in_place(&a[r][v], xv[v], b);
+/* total [mt, LROWS] += one block's products with mt activation rows (xa, xd, xsum from the first; row stride K
+ * and S) over inputs k0 .. k0 + kc: per span, sum (q - z) xa in integers (- z sum xa first), then
+ * f = fma(sum, xs ws, f) over the block's spans from 0, and total + f. swT fp32 / zT int32 [G, LROWS]: the
+ * block's weight scales and zero points, a group's for all its rows. */
+static inline __attribute__((always_inline)) void lanes_tile(
+        const uint8_t *block, long bn, __mmask16 live, long K, long S, long span, long gsize, long k0, long kc,
+        const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int split = mt <= 4;  /* two accumulators a row where registers allow: the chain of vpdpbusd halved */
+    __m512 f[LTILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
+    for (long s0 = k0; s0 < k0 + kc; s0 += span) {
+        long j = s0 / span, g = s0 / gsize;
+        __m512i acc[LTILE], acc2[LTILE];
+        __m512i zv = _mm512_load_si512(zT + g * LROWS);
+        for (int m = 0; m < mt; m++) {
+            acc[m] = _mm512_mullo_epi32(zv, _mm512_set1_epi32(-xsum[m * S + j]));
+            acc2[m] = _mm512_setzero_si512();
+        }
+        for (long k = s0; k < s0 + span; k += 8) {
+            const uint8_t *wk = block + (k / 8) * bn * 4;  /* 64 bytes: LROWS rows' 8 codes */
+            _mm_prefetch((const char *)wk + TILE_AHEAD, _MM_HINT_T2);
+            __m512i codes = _mm512_maskz_loadu_epi32(live, wk);
+            __m512i lo = _mm512_and_si512(codes, low), hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low);
+            for (int m = 0; m < mt; m++) {
+                int32_t even, odd;
+                memcpy(&even, xa + m * K + k, 4);
+                memcpy(&odd, xa + m * K + k + 4, 4);
+                dpbusd_in_place(&acc[m], lo, _mm512_set1_epi32(even));
+                dpbusd_in_place(split ? &acc2[m] : &acc[m], hi, _mm512_set1_epi32(odd));
             }
         }
-        for (int v = 0; v < mv; v++) {
-            __m512 d = _mm512_load_ps(xs + v * S * LANES + (k0 / span + j) * LANES);
-            for (int r = 0; r < ROWS; r++)
-                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), _mm512_mul_ps(d, _mm512_set1_ps(wsc[r * spans + j])), f[r][v]);
+        __m512 ws = _mm512_load_ps(swT + g * LROWS);
+        for (int m = 0; m < mt; m++) {
+            __m512i sum = split ? _mm512_add_epi32(acc[m], acc2[m]) : acc[m];
+            f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(xd[m * S + j]), ws), f[m]);
         }
     }
-    for (int r = 0; r < ROWS; r++)
-        for (int v = 0; v < mv; v++)
-            _mm512_store_ps(acc + r * Mp + v * LANES, _mm512_add_ps(_mm512_load_ps(acc + r * Mp + v * LANES), f[r][v]));
+    for (int m = 0; m < mt; m++)
+        _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
 }
 
-static void gemm_tile(const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq,
-                      const int32_t *wcorr, const float *wsc, int mv, float *acc, long Mp) {
-    if (mv == 3) gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 3, acc, Mp);
-    else if (mv == 2) gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 2, acc, Mp);
-    else gemm_tile_body(xq, xs, K, span, k0, kc, wq, wcorr, wsc, 1, acc, Mp);
+/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them */
+static void lanes_tables(const void *scales, const uint16_t *row_scales, const uint8_t *zeros, long n, long bn, long G,
+                         uint16_t *room, float *swT, int32_t *zT) {
+    const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, (int)bn, room);  /* int4k: coded scales made fp16 */
+    for (long r = 0; r < LROWS; r++)
+        for (long g = 0; g < G; g++) {
+            swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
+            zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
+        }
 }
 
-#include "int_gemm.h"
+/* w: int4 codes [N, K/2] in lanes (tile_int4_lanes), zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes
+ * under row_scales); y [M, N]. Threads take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
+static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                               int threads) {
+    long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
+    long group = M > 16 ? LGROUP : 1, step = group * LROWS;
+    int8_t *xa = malloc(rows_max * K);
+    float *xd = malloc(sizeof(float) * rows_max * S);
+    int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *swT = aligned_alloc(64, sizeof(float) * group * G * LROWS);
+        float *total = aligned_alloc(64, sizeof(float) * group * rows_max * LROWS);
+        int32_t *zT = aligned_alloc(64, sizeof(int32_t) * group * G * LROWS);
+        uint16_t *room = malloc(sizeof(uint16_t) * G * LROWS);
+        for (long m0 = 0; m0 < M; m0 += LMB) {
+            long rows = M - m0 < LMB ? M - m0 : LMB;
+            #pragma omp for schedule(static)
+            for (long m = 0; m < rows; m++) quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
+            #pragma omp for schedule(static)
+            for (long n = 0; n < N; n += step) {
+                long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
+                for (long b = 0; b < blocks; b++) {
+                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
+                    lanes_tables(scales, row_scales, zeros, nb, bn, G, room, swT + b * G * LROWS, zT + b * G * LROWS);
+                }
+                memset(total, 0, sizeof(float) * blocks * rows * LROWS);
+                for (long k0 = 0; k0 < K; k0 += LKC)
+                    for (long b = 0; b < blocks; b++) {
+                        long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
+                        const uint8_t *block = (const uint8_t *)w + nb * (K / 2);
+                        __mmask16 live = (__mmask16)((1u << bn) - 1);
+                        for (long mt0 = 0; mt0 < rows; mt0 += LTILE) {
+                            const int8_t *xm = xa + mt0 * K;
+                            const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
+                            const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
+                            float *tm = total + (b * rows + mt0) * LROWS;
+                            #define LANES_TILE(MT) lanes_tile(block, bn, live, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm)
+                            switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
+                            case 1: LANES_TILE(1); break;
+                            case 2: LANES_TILE(2); break;
+                            case 3: LANES_TILE(3); break;
+                            case 4: LANES_TILE(4); break;
+                            case 5: LANES_TILE(5); break;
+                            case 6: LANES_TILE(6); break;
+                            case 7: LANES_TILE(7); break;
+                            default: LANES_TILE(8);
+                            }
+                            #undef LANES_TILE
+                        }
+                    }
+                for (long b = 0; b < blocks; b++) {
+                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
+                    for (long m = 0; m < rows; m++)
+                        for (long r = 0; r < bn; r++)
+                            store(y, out_bf16, (m0 + m) * N + nb + r,
+                                  total[(b * rows + m) * LROWS + r] + (bias ? bias[nb + r] : 0.f));
+                }
+            }
+        }
+        free(swT);
+        free(total);
+        free(zT);
+        free(room);
+    }
+    free(xa);
+    free(xd);
+    free(xsum);
+}
+
+/* the prefill product: the same function at every row count (native.gemm_int4_product) */
+void qlite_gemm_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    int4_lanes_product(x, M, w, scales, row_scales, zeros, G, N, K, bias, y, out_bf16, threads);
+}
 #else
 int qlite_vnni_abi(void) { return 0; }
 #endif
