@@ -121,9 +121,9 @@ static inline __m512 inverse(__m512 a, float top) {  /* top / a, 0 where a is 0 
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(top), a);
 }
 
-/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs fp32 [M, K / CHUNK, 16] (each lane's scale). The chunk is 4 vectors of 32
- * int16; lane l of vector t holds k = 32 t + 2 l', 32 t + 2 l' + 1 (l' = l mod 8, the second 16 inputs of
- * the 32 for l >= 8), so a lane's block is those 8 inputs, 2 from each vector. */
+/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs fp32 [M, K / CHUNK, 16] (each lane's
+ * scale). The chunk is 4 vectors of 32 int16; lane l of vector t holds k = 32 t + 2 l', 32 t + 2 l' + 1 (l' = l
+ * mod 8, the second 16 inputs of the 32 for l >= 8), so a lane's block is those 8 inputs, 2 from each vector. */
 static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_t *xq, float *xs) {
     long C = K / CHUNK;
     const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -146,8 +146,9 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
 }
 
 /* ---- int4 weights in lanes: their products at every row count (decode, verification, a batch, prefill) -----
- * int_block below keeps one dot product in a vector's lanes and pays float work per 8 inputs; from a few rows
- * on, that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). For
+ * The int4 product before it (AVX2's int_rows still) kept one dot product in a vector's lanes and paid float
+ * work per 8 inputs; from a few rows on, that float work bounded it (BENCHMARKS.md, "the few-row products
+ * against this CPU's arithmetic"). For
  * int4 weights the lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4
  * bytes] (a row's 4 bytes: its 8 codes of inputs 8 w .. 8 w + 7 as stored, byte b's low nibble input 8 w + 2 b),
  * and 4 inputs of one activation row broadcast: a vpdpbusd advances LROWS dot products by 4 inputs at any row
