@@ -8,16 +8,19 @@ import pytest
 
 pytestmark = pytest.mark.demo
 
-CTX, CHUNKS = 512, 6
-# Regression bars on this slice (6 chunks of 512 tokens per source), set from the values measured
-# (mean KLD / top-1: int8 code 0.00198 / 97.49%, prose 0.00471 / 96.22%; int4-g128 code 0.0752 /
-# 87.51%, prose 0.2214 / 77.95%) plus about 25% on KLD and 1-2.5 points on top-1. The issue's
+CTX, CHUNKS = 512, 2
+# Regression bars on this slice (2 chunks of 512 tokens per source), set from the values measured
+# (mean KLD / top-1 on a Zen 3 machine, AVX2 kernels: int8 code 0.00256 / 97.65%, prose 0.00433 / 97.16%;
+# int4-g128 code 0.0860 / 85.91%, prose 0.2335 / 77.59%) plus about 25% on KLD and 1-2 points on top-1.
+# (6 chunks until 2026-12-03, measured on AVX-512 kernels: int8 code 0.00198 / 97.49%, prose 0.00471 /
+# 96.22%; int4-g128 code 0.0752 / 87.51%, prose 0.2214 / 77.95%. A third of the tokens, so that CI fits
+# its 30 minutes on an AVX2-only machine, where the 6-chunk eval alone took 6 of them.) The issue's
 # starting bars were int8 KLD <= 0.006, top-1 >= 95%; int4-g128 KLD <= 0.35, top-1 >= 70%.
 BARS = {  # (model dir, data): (max mean KLD, min top-1)
-    ("int8", "code"): (0.0025, 0.965),
-    ("int8", "prose"): (0.006, 0.952),
-    ("int4-g128", "code"): (0.095, 0.855),
-    ("int4-g128", "prose"): (0.275, 0.755),
+    ("int8", "code"): (0.0032, 0.96),
+    ("int8", "prose"): (0.006, 0.955),
+    ("int4-g128", "code"): (0.107, 0.845),
+    ("int4-g128", "prose"): (0.29, 0.755),
 }
 
 
@@ -39,23 +42,24 @@ def test_demo_eval_meets_the_bars(demo_dir, demo_int8, demo_int4, tmp_path):
     assert base["kld_mean"] < rows[("int8", "code")]["kld_mean"]  # bf16 activations alone cost less than int8
 
 
-# Code tasks on a fixed subset (every 4th built-in task: 18), greedy, int4-g128 RTN against the
-# baseline. Measured in the full run of docs/eval.md "Does it still write working code?": the baseline
-# passes 5 of these 18, int4 wins 0 and loses 2; the bar leaves 2 tasks of room for batching noise.
-MAX_NET_LOSSES = 4
+# Code tasks on a fixed subset (every 9th built-in task: 8, one batch of decoding), greedy, int4-g128 RTN
+# against the baseline. Measured (Zen 3, AVX2 kernels, 209 s): the baseline passes 3 of these 8, int4 wins 1
+# and loses 2; the bar leaves 2 tasks of room for batching noise. (Every 4th task, 18, until 2026-12-03:
+# three batches, 5 of 18 and +0/-2 measured, 5 minutes of CI on an AVX2-only machine.)
+MAX_NET_LOSSES = 3
 
 
 def test_demo_int4_still_writes_working_code(demo_dir, demo_int4, tmp_path):
     from eval.code_tasks import TASKS, dump_tasks
 
     subset = tmp_path / "tasks.jsonl"
-    dump_tasks(TASKS[::4], subset)
+    dump_tasks(TASKS[::9], subset)
     report = tmp_path / "code.json"
     r = subprocess.run([sys.executable, "-m", "qlite", "eval", str(demo_int4), "--baseline", str(demo_dir),
                         "--data", "none", "--tasks", str(subset), "--json", str(report)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     print("\n" + r.stdout)
     base, int4 = json.loads(report.read_text())["code_tasks"]
-    assert base["tasks"] == int4["tasks"] == len(TASKS[::4])
-    assert base["passed"] >= 3  # the 16-bit model still writes working code (5 measured)
+    assert base["tasks"] == int4["tasks"] == len(TASKS[::9])
+    assert base["passed"] >= 2  # the 16-bit model still writes working code (3 measured)
     assert int4["losses"] - int4["wins"] <= MAX_NET_LOSSES, int4
