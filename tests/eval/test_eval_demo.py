@@ -8,19 +8,19 @@ import pytest
 
 pytestmark = pytest.mark.demo
 
-CTX, CHUNKS = 512, 2
-# Regression bars on this slice (2 chunks of 512 tokens per source), set from the values measured
-# (mean KLD / top-1 on a Zen 3 machine, AVX2 kernels: int8 code 0.00256 / 97.65%, prose 0.00433 / 97.16%;
-# int4-g128 code 0.0860 / 85.91%, prose 0.2335 / 77.59%) plus about 25% on KLD and 1-2 points on top-1.
-# (6 chunks until 2026-12-03, measured on AVX-512 kernels: int8 code 0.00198 / 97.49%, prose 0.00471 /
-# 96.22%; int4-g128 code 0.0752 / 87.51%, prose 0.2214 / 77.95%. A third of the tokens, so that CI fits
-# its 30 minutes on an AVX2-only machine, where the 6-chunk eval alone took 6 of them.) The issue's
+CTX, CHUNKS = 256, 2
+# Regression bars on this slice (2 chunks of 256 tokens per source), set from the values measured
+# (mean KLD / top-1 on a Zen 3 machine, AVX2 kernels: int8 code 0.00187 / 97.06%, prose 0.00458 / 96.47%;
+# int4-g128 code 0.0746 / 86.86%, prose 0.2389 / 76.86%) plus about 25-30% on KLD and 1-2 points on top-1.
+# (6 chunks of 512 tokens until 2026-12-03, measured on AVX-512 kernels: int8 code 0.00198 / 97.49%, prose
+# 0.00471 / 96.22%; int4-g128 code 0.0752 / 87.51%, prose 0.2214 / 77.95%. A sixth of the tokens, so that
+# CI fits its 30 minutes on an AVX2-only machine, where the 6-chunk eval alone took 6 of them.) The issue's
 # starting bars were int8 KLD <= 0.006, top-1 >= 95%; int4-g128 KLD <= 0.35, top-1 >= 70%.
 BARS = {  # (model dir, data): (max mean KLD, min top-1)
-    ("int8", "code"): (0.0032, 0.96),
-    ("int8", "prose"): (0.006, 0.955),
-    ("int4-g128", "code"): (0.107, 0.845),
-    ("int4-g128", "prose"): (0.29, 0.755),
+    ("int8", "code"): (0.0025, 0.955),
+    ("int8", "prose"): (0.006, 0.95),
+    ("int4-g128", "code"): (0.095, 0.85),
+    ("int4-g128", "prose"): (0.30, 0.745),
 }
 
 
@@ -42,11 +42,12 @@ def test_demo_eval_meets_the_bars(demo_dir, demo_int8, demo_int4, tmp_path):
     assert base["kld_mean"] < rows[("int8", "code")]["kld_mean"]  # bf16 activations alone cost less than int8
 
 
-# Code tasks on a fixed subset (every 9th built-in task: 8, one batch of decoding), greedy, int4-g128 RTN
-# against the baseline. Measured (Zen 3, AVX2 kernels, 209 s): the baseline passes 3 of these 8, int4 wins 1
-# and loses 2; the bar leaves 2 tasks of room for batching noise. (Every 4th task, 18, until 2026-12-03:
-# three batches, 5 of 18 and +0/-2 measured, 5 minutes of CI on an AVX2-only machine.)
-MAX_NET_LOSSES = 3
+# Code tasks on a fixed subset (every 9th built-in task: 8, one batch of decoding), greedy, answers of at most
+# 256 tokens, int4-g128 RTN against the baseline. Measured (Zen 3, AVX2 kernels, 118 s): the baseline passes 2
+# of these 8, int4 wins 1 and loses 1 (with 512 tokens: 3 of 8, +1 / -2, 209 s); the bar leaves 2 tasks of room
+# for batching noise. (Every 4th task, 18, 512 tokens until 2026-12-03: three batches, 5 of 18 and +0/-2
+# measured, 5 minutes of CI on an AVX2-only machine.)
+MAX_NET_LOSSES = 2
 
 
 def test_demo_int4_still_writes_working_code(demo_dir, demo_int4, tmp_path):
@@ -56,10 +57,10 @@ def test_demo_int4_still_writes_working_code(demo_dir, demo_int4, tmp_path):
     dump_tasks(TASKS[::9], subset)
     report = tmp_path / "code.json"
     r = subprocess.run([sys.executable, "-m", "qlite", "eval", str(demo_int4), "--baseline", str(demo_dir),
-                        "--data", "none", "--tasks", str(subset), "--json", str(report)], capture_output=True, text=True)
+                        "--data", "none", "--tasks", str(subset), "--max-new-tokens", "256", "--json", str(report)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     print("\n" + r.stdout)
     base, int4 = json.loads(report.read_text())["code_tasks"]
     assert base["tasks"] == int4["tasks"] == len(TASKS[::9])
-    assert base["passed"] >= 2  # the 16-bit model still writes working code (3 measured)
+    assert base["passed"] >= 1  # the 16-bit model still writes working code (2 measured)
     assert int4["losses"] - int4["wins"] <= MAX_NET_LOSSES, int4
