@@ -57,7 +57,8 @@ def test_demo_int4_still_writes_working_code(demo_dir, demo_int4, tmp_path):
     dump_tasks(TASKS[::9], subset)
     report = tmp_path / "code.json"
     r = subprocess.run([sys.executable, "-m", "qlite", "eval", str(demo_int4), "--baseline", str(demo_dir),
-                        "--data", "none", "--tasks", str(subset), "--max-new-tokens", "256", "--json", str(report)], capture_output=True, text=True)
+                        "--data", "none", "--tasks", str(subset), "--max-new-tokens", "256", "--json", str(report)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     print("\n" + r.stdout)
     base, int4 = json.loads(report.read_text())["code_tasks"]
