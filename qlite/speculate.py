@@ -29,28 +29,61 @@ from .generate import INITIAL_NEW_TOKENS
 MAX_DRAFT = 7  # proposals per pass: the verify forward's rows (1 + 7) stay in the matrix-vector kernels (native.MAX_ROWS)
 
 
-class PromptLookup:
-    """Proposes the continuation of the most recent earlier occurrence of the sequence's last n tokens,
-    for the longest n from max_ngram down to min_ngram that has one (prompt lookup decoding, Saxena 2023;
-    llama.cpp's llama-lookup, transformers' prompt_lookup_num_tokens)."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+class Drafter:
+    """The drafters' interface: `propose(tokens, k)`, up to k tokens likely to follow `tokens`; `match(tokens)`,
+    which kind of proposal is on offer (0: none), each kind's acceptance learnt on its own by the pacer;
+    `for_sequence()`, the drafter for one sequence (a copy where it keeps state about the sequence)."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        n_tokens = len(tokens)
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            tail = tokens[n_tokens - n:]
-            for i in range(n_tokens - n - 1, -1, -1):  # most recent first; the tail itself excluded
-                if tokens[i:i + n] == tail:
-                    return tokens[i + n:i + n + k]
-        return []
+        raise NotImplementedError
+
+    def match(self, tokens: list[int]) -> int:
+        return 1  # one kind of proposal, always on offer
+
+    def for_sequence(self) -> "Drafter":
+        return self
 
 
-class DraftModel:
+class PromptLookup(Drafter):
+    """Proposes the continuation of the most recent earlier occurrence of the sequence's last n tokens,
+    for the longest n from max_ngram down to min_ngram that has one (prompt lookup decoding, Saxena 2023;
+    llama.cpp's llama-lookup, transformers' prompt_lookup_num_tokens). Where each n-gram last ended is
+    indexed as the sequence grows (one dict update per token and n), so a lookup costs as much at 30,000
+    tokens as at 30; the index follows one token list (the sequence's history, which only grows), and
+    starts again when given another."""
+
+    def __init__(self, max_ngram: int = 5, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] | None = None  # the list indexed, its first `indexed` tokens
+        self.indexed, self.ends = 0, {}  # ends: n-gram -> where its latest occurrence ends
+        self.earlier: dict[int, int | None] = {}  # n -> where the tail's n-gram ended before the tail, if it did
+
+    def for_sequence(self) -> "PromptLookup":
+        """A lookup of its own for one sequence (its index)."""
+        return PromptLookup(self.max_ngram, self.min_ngram)
+
+    def match(self, tokens: list[int]) -> int:
+        """The n of the longest tail n-gram that occurred before (0: none): what kind of proposal is on offer."""
+        if tokens is not self.tokens or len(tokens) < self.indexed:
+            self.tokens, self.indexed, self.ends, self.earlier = tokens, 0, {}, {}
+        for end in range(self.indexed + 1, len(tokens) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                gram = tuple(tokens[end - n:end])
+                self.earlier[n] = self.ends.get(gram)
+                self.ends[gram] = end
+        self.indexed = len(tokens)
+        return next((n for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1)
+                     if self.earlier.get(n) is not None), 0)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        n = self.match(tokens)
+        return tokens[self.earlier[n]:self.earlier[n] + k] if n else []
+
+
+class DraftModel(Drafter):
     """Proposes the next k tokens as a draft model decodes them greedily, one step each, in its own KV
     cache of the sequence (kept between calls: each call rolls it back to what it shares with the sequence
-    and feeds the rest in one forward)."""
+    and feeds the rest in one forward: one drafter serves every sequence, one at a time, as speculation runs)."""
 
     def __init__(self, model):
         self.model, self.cache, self.fed = model, None, []  # fed: the tokens in the cache, in order
@@ -106,58 +139,68 @@ def draft_model(path: Path, tokenizer) -> DraftModel:
 class Pacer:
     """How many tokens to propose: the k that maximises the tokens a pass is expected to yield,
     1 + a + ... + a^k (a: the chance that a proposal is taken once the ones before it were, a running
-    estimate), over what a pass of 1 + k rows costs (a running mean of measured pass times per row
-    count; until measured, a step plus ROW_COST of a step per extra row, plus what the drafter last took per
-    proposal). Text that does not repeat
-    drives a, and so k, down to 0 (plain steps), with one proposal every PROBE passes to see whether
-    that changed, unless passes cost so much that even proposals sure to be taken would not pay (a draft
-    model as dear as the model: each probe costs its catching up as well)."""
+    estimate for each kind of proposal: prompt lookup's by the length of the n-gram matched, whose
+    continuations are taken far more often when it is long), over what a pass of 1 + k rows costs (a running
+    mean of measured pass times per row count; a row count not yet measured at the nearest measured one's
+    cost per extra row, or before any, a step plus ROW_COST of a step per extra row plus what the drafter
+    last took per proposal). Text that does not repeat drives a, and so k, down to 0
+    (plain steps), with one proposal of that kind every PROBE passes to see whether that changed, unless
+    passes cost so much that even proposals sure to be taken would not pay (a draft model as dear as the
+    model: each probe costs its catching up as well)."""
     ROW_COST = 0.35  # an extra verify row's share of a step, before measured (the demo model, int4, 2 Zen 4 cores)
     DECAY = 0.8  # weight of the past in the running estimates
     PROBE = 8
 
     def __init__(self, most: int = MAX_DRAFT, taken: float = 0.8, drafter=None):
-        self.most, self.taken, self.drafter = most, taken, drafter  # drafter.seconds_per_token, where it has one
+        self.most, self.prior, self.drafter = most, taken, drafter  # drafter.seconds_per_token, where it has one
+        self.taken: dict[int, float] = {}  # kind -> running estimate of a (the prior until proposals are seen)
         self.seconds: dict[int, float] = {}  # rows -> running mean of a pass's seconds
-        self.idle = 0  # passes since the last proposal
+        self.idle: dict[int, int] = {}  # kind -> passes on offer since the last proposal of it
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, kind: int = 1) -> None:
         """After a pass: `accepted` of `proposed` taken (a rejection ends a pass's run)."""
         if proposed:
             tries = accepted + (accepted < proposed)
-            self.taken = self.DECAY * self.taken + (1 - self.DECAY) * accepted / tries
+            self.taken[kind] = self.DECAY * self.taken.get(kind, self.prior) + (1 - self.DECAY) * accepted / tries
 
     def timed(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
 
     def cost(self, rows: int) -> float:
+        """A pass of `rows` fed tokens: measured, else at the cost per extra row of the nearest row count
+        measured (its drafting included), else the prior (ROW_COST, plus the drafter's last cost per proposal)."""
         if rows in self.seconds:
             return self.seconds[rows]
-        step, drafting = self.seconds.get(1, 1.0), getattr(self.drafter, "seconds_per_token", 0.0)
-        return step * (1 + self.ROW_COST * (rows - 1)) + drafting * (rows - 1)
+        step, measured = self.seconds.get(1, 1.0), [r for r in self.seconds if r > 1]
+        if measured:
+            near = min(measured, key=lambda r: (abs(r - rows), -r))  # a tie: the dearer per row, larger
+            return step + (self.seconds[near] - step) * (rows - 1) / (near - 1)
+        return step * (1 + self.ROW_COST * (rows - 1)) + getattr(self.drafter, "seconds_per_token", 0.0) * (rows - 1)
 
-    def best(self, taken: float | None = None) -> int:
-        """The k of the most tokens per second expected (at acceptance `taken`, else the running one)."""
+    def best(self, taken: float | None = None, kind: int = 1) -> int:
+        """The k of the most tokens per second expected (at acceptance `taken`, else kind's running one)."""
+        a = self.taken.get(kind, self.prior) if taken is None else taken
         gains, tokens, best, best_k = 1.0, 1.0, 0.0, 0
         for k in range(0, self.most + 1):
             if k:
-                gains *= self.taken if taken is None else taken
+                gains *= a
                 tokens += gains
             rate = tokens / self.cost(1 + k)
             if rate > best:
                 best, best_k = rate, k
         return best_k
 
-    def next(self) -> int:
-        """How many to propose for the coming pass: none until a plain step is timed (the measure of every
-        other pass; a draft model, which always proposes, would otherwise never be weighed against it)."""
+    def next(self, kind: int = 1) -> int:
+        """How many of a `kind` on offer to propose for the coming pass: none until a plain step is timed (the
+        measure of every other pass; a draft model, which always proposes, would otherwise never be weighed
+        against it)."""
         if 1 not in self.seconds:
             return 0
-        k = self.best()
-        self.idle = 0 if k else self.idle + 1
-        if self.idle >= self.PROBE and self.best(taken=1.0):  # no probe where even sure proposals cannot pay
-            k, self.idle = 1, 0
+        k = self.best(kind=kind)
+        self.idle[kind] = 0 if k else self.idle.get(kind, 0) + 1
+        if self.idle[kind] >= self.PROBE and self.best(taken=1.0):  # no probe where even sure proposals cannot pay
+            k, self.idle[kind] = 1, 0
         return k
 
 
@@ -185,13 +228,16 @@ class Speculator:
     forward of [token, *draft] (exact), `verify` its logits, `timed`; a plain step goes through `took`."""
 
     def __init__(self, drafter, most: int, stats: Stats | None = None, pacer: Pacer | None = None):
-        self.drafter, self.stats = drafter, stats if stats is not None else Stats()
+        self.drafter, self.stats = drafter.for_sequence(), stats if stats is not None else Stats()
         self.pacer = pacer or Pacer(min(most, MAX_DRAFT), drafter=drafter)  # a server's is shared by its requests
         self.draft: list[int] = []
+        self.kind = 0  # of the proposals in draft
 
     def propose(self, seq, room: int) -> list[int]:
-        """Up to `room` proposals for the coming pass of `seq` (as many as the pacer says pay)."""
-        k = min(self.pacer.next(), room)
+        """Up to `room` proposals for the coming pass of `seq` (as many of the kind on offer as the pacer says
+        pay)."""
+        self.kind = self.drafter.match(seq.history)
+        k = min(self.pacer.next(self.kind), room) if self.kind else 0
         self.draft = self.drafter.propose(seq.history, k) if k > 0 else []
         return self.draft
 
@@ -212,7 +258,7 @@ class Speculator:
         self.stats.passes, self.stats.tokens = self.stats.passes + 1, self.stats.tokens + len(steps)
         if self.draft:
             self.stats.proposed, self.stats.accepted = self.stats.proposed + len(self.draft), self.stats.accepted + accepted
-            self.pacer.update(len(self.draft), accepted)
+            self.pacer.update(len(self.draft), accepted, self.kind)
         return steps
 
     def timed(self, rows: int, seconds: float) -> None:
@@ -227,7 +273,7 @@ class Speculator:
 @dataclass
 class Speculation:
     """What `--speculate` and `--draft-tokens` ask for, and what it did (stats, over every decode)."""
-    drafter: PromptLookup
+    drafter: Drafter
     most: int = MAX_DRAFT
     stats: Stats = field(default_factory=Stats)
 

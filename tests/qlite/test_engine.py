@@ -12,6 +12,7 @@ from qlite.decode import Done, Failed, Text
 from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
 from qlite.fused import FusedLayers
 from qlite.pipeline import load
+from qlite.speculate import Drafter
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
 
 PROMPTS = ["the", "he in the a", "a", "the the he", "in the he in the he in the", "he", "t", "a the in",
@@ -137,7 +138,7 @@ def test_speculation_alone_and_plain_steps_in_a_batch_answer_as_plain_decoding(l
         seq = Sequence(ids, replace(lm.params(), max_new_tokens=n), lm.eos_ids)
         answers_ids.append(ids + [t for [(t, _)] in decode_batch(lm.model, [ids], [seq])])
 
-    class Oracle:
+    class Oracle(Drafter):
         calls = 0
 
         def propose(self, tokens, k):

@@ -14,7 +14,8 @@ from qlite.decode import Sequence, decode_batch, stream_text
 from qlite.errors import QliteError
 from qlite.generate import SamplingParams
 from qlite.loader import load_model
-from qlite.speculate import MAX_DRAFT, DraftModel, Pacer, PromptLookup, Speculation, Stats, decode_speculative
+from qlite.speculate import (MAX_DRAFT, DraftModel, Drafter, Pacer, PromptLookup, Speculation, Stats,
+                             decode_speculative)
 from qlite.tokenizer import Tokenizer
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 
@@ -95,21 +96,22 @@ def test_speculative_output_is_plain_decodings(ckpts, kind, params):
 
 
 @needs_native
-def test_rejected_proposals_are_rolled_back(ckpts):
+def test_rejected_proposals_are_rolled_back(ckpts, monkeypatch):
     """A drafter that is always wrong: every proposal rejected, the cache cut back each pass, the output
     still plain decoding's; one that is always right (the plain output itself): every proposal taken."""
     model = load_model(ckpts["int4"])
     params = SamplingParams(max_new_tokens=30)
     plain, _ = decode(model, [3, 4, 5], params)
 
-    class Wrong:
+    class Wrong(Drafter):
         def propose(self, tokens, k):
             return [(plain[len(tokens) - 3] + 1) % 500] * k if len(tokens) - 3 < len(plain) else []
 
-    class Oracle:
+    class Oracle(Drafter):
         def propose(self, tokens, k):
             return plain[len(tokens) - 3:len(tokens) - 3 + k]
 
+    monkeypatch.setattr(Pacer, "cost", lambda self, rows: 1 + Pacer.ROW_COST * (rows - 1))  # not this machine's
     for drafter, accepted in ((Wrong(), 0), (Oracle(), None)):
         stats, seq = Stats(), Sequence([3, 4, 5], params, eos_ids=[263])
         out = [t for t, _ in decode_speculative(model, [3, 4, 5], seq, drafter, stats=stats)]
@@ -186,6 +188,25 @@ def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match():
     assert lookup.propose([1, 2, 3, 4], 4) == []
     assert lookup.propose([7], 4) == []
     assert lookup.propose([1, 2, 1, 2, 1, 2], 3) == [1, 2]
+    assert [lookup.match(t) for t in ([1, 2, 3, 9, 1, 2, 3], [4, 5, 6, 1, 2, 9, 2], [1, 2, 3, 4])] == [3, 1, 0]
+
+
+def test_prompt_lookup_indexes_a_growing_sequence_as_a_scan_finds_it():
+    """The index, extended token by token (and several at a time) as a history grows, proposes what a scan of
+    the whole list does at every length; a sequence of its own (for_sequence) starts from nothing."""
+    def scan(tokens, k, max_ngram=3):
+        for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i:i + n] == tokens[len(tokens) - n:]:
+                    return tokens[i + n:i + n + k]
+        return []
+    stream = torch.randint(0, 6, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    lookup, history = PromptLookup().for_sequence(), []
+    for i, token in enumerate(stream):
+        history.append(token)
+        if i % 3 == 0:  # proposals asked for after one, two or three new tokens
+            assert lookup.propose(history, 5) == scan(history, 5, lookup.max_ngram), i
+    assert lookup.for_sequence().indexed == 0 and lookup.indexed == len(stream)
 
 
 def test_the_pacer_follows_acceptance_and_cost():
@@ -196,7 +217,7 @@ def test_the_pacer_follows_acceptance_and_cost():
     pacer.seconds = {}
     for _ in range(10):
         pacer.update(7, 7)
-    assert pacer.taken > 0.95 and pacer.best() == 7  # at a step plus 0.35 a row, all 7 pay
+    assert pacer.taken[1] > 0.95 and pacer.best() == 7  # at a step plus 0.35 a row, all 7 pay
     for rows in range(1, 9):  # rows that cost as much as a step each: no proposal pays unless all are taken
         pacer.timed(rows, 0.01 * rows)
     assert pacer.best() == 0
@@ -204,11 +225,38 @@ def test_the_pacer_follows_acceptance_and_cost():
     assert pacer.best() == 2  # cheap up to 3 rows
     for _ in range(20):
         pacer.update(3, 0)
-    assert pacer.taken < 0.02 and pacer.best() == 0
+    assert pacer.taken[1] < 0.02 and pacer.best() == 0
     ks = [pacer.next() for _ in range(16)]  # plain steps, and a probe every PROBE passes
     assert ks.count(1) == 2 and ks.count(0) == 14 and ks[Pacer.PROBE - 1] == 1
     pacer.update(0, 0)  # nothing proposed: nothing learnt
-    assert pacer.taken < 0.02
+    assert pacer.taken[1] < 0.02
+
+
+def test_the_pacer_weighs_each_kind_of_proposal_on_its_own():
+    """Prompt lookup's 1-gram matches rarely taken, its 3-gram ones mostly: proposals follow the kind on
+    offer, and a hopeless kind is probed on its own count of passes."""
+    pacer = Pacer(7)
+    pacer.seconds = {rows: 0.01 * (1 + 0.35 * (rows - 1)) for rows in range(1, 9)}
+    for _ in range(20):
+        pacer.update(3, 0, kind=1)
+        pacer.update(7, 6, kind=3)
+    assert pacer.best(kind=1) == 0 and pacer.best(kind=3) >= 3 and pacer.best(kind=2) == pacer.best(taken=0.8)
+    ks = [pacer.next(3) if i % 2 else pacer.next(1) for i in range(2 * Pacer.PROBE)]
+    assert ks[1::2] == [pacer.best(kind=3)] * Pacer.PROBE  # the good kind, every time it is on offer
+    assert ks[0::2] == [0] * (Pacer.PROBE - 1) + [1]  # the other: its probe after PROBE of its own passes
+
+
+def test_the_pacer_prices_row_counts_not_yet_tried_by_the_nearest_one_tried():
+    pacer = Pacer(7, taken=0.95)
+    pacer.timed(1, 0.01)
+    assert pacer.cost(4) == pytest.approx(0.01 * (1 + 3 * Pacer.ROW_COST)) and pacer.best() == 7  # the prior
+    pacer.timed(8, 0.08)  # 7 proposals cost 7 steps more: so would 3 (not the prior's 1.05)
+    assert pacer.cost(4) == pytest.approx(0.04) and pacer.best() == 0
+    pacer.timed(3, 0.012)
+    assert pacer.cost(2) == pytest.approx(0.011) and pacer.cost(6) == pytest.approx(0.01 + 0.07 * 5 / 7)
+    assert pacer.best() == 4  # 4 and 5 rows priced at the slope of 3, nearer than 8: worth trying
+    pacer.timed(5, 0.05)
+    assert pacer.cost(4) == pytest.approx(0.04) and pacer.best() == 2  # a tie: the larger count's price
 
 
 def test_the_pacer_counts_what_a_draft_model_takes_per_proposal():

@@ -1,0 +1,111 @@
+"""Speculation's pacing replayed without the clock: each prompt's greedy output is decoded once, then the
+pacer and prompt lookup run over it again with every pass charged by a fixed cost model (a one-token step
+1, each extra verify row `row cost` of a step) instead of its measured time, so two pacing policies compare
+without timing noise (on a 2-core machine a decode's tokens/s moves by 10% between runs of one prompt).
+What a pass yields is what a real one would: the proposals up to the first that differs from the output,
+then the output's next token (greedy speculation is exact, so the output is the same either way).
+
+Each row: the modelled speed-up over plain decoding (plain steps' cost over the passes', geometric mean
+and min over prompts) and tokens per pass, for the pacer that weighs each kind of proposal on its own
+(qlite's: prompt lookup's kinds are the lengths of the n-gram matched) and for one estimate for every kind
+(qlite's pacer before), at each row cost. Row costs measured: the demo int4-g128 model's verify pass of
+R rows costs 1 + ~0.3-0.45 (R - 1) steps on 2 cores (`python -m eval.kernel_bench --verify DIR`).
+
+    python -m eval.pacing MODEL_DIR [--sets code-edit,open,prose] [--limit N] [--new-tokens 256]
+                                    [--row-costs 0.25,0.35,0.45]
+"""
+from __future__ import annotations
+
+import statistics
+
+import click
+
+from qlite.speculate import MAX_DRAFT, Drafter, Pacer, PromptLookup
+
+
+class OneKind(Drafter):
+    """A drafter's proposals as one kind: the pacer keeps one estimate for all of them."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+
+    def for_sequence(self) -> "OneKind":
+        return OneKind(self.drafter.for_sequence())
+
+    def match(self, tokens: list[int]) -> int:
+        return min(self.drafter.match(tokens), 1)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.drafter.propose(tokens, k)
+
+
+def replay(tokens: list[int], n_prompt: int, row_cost: float, drafter: Drafter, most: int = MAX_DRAFT
+           ) -> tuple[float, float]:
+    """(plain decoding's modelled cost over speculation's, tokens per pass) for the output tokens[n_prompt:],
+    its first token given (the prompt's forward picks it either way)."""
+    def cost(rows: int) -> float:
+        return 1 + row_cost * (rows - 1)
+
+    drafter, pacer = drafter.for_sequence(), Pacer(most)
+    pacer.timed(1, cost(1))  # speculation's first pass is a plain step: the measure of the others
+    history, spent, passes = list(tokens[:n_prompt + 1]), 0.0, 0
+    while len(history) < len(tokens):
+        kind = drafter.match(history)
+        k = min(pacer.next(kind) if kind else 0, len(tokens) - len(history) - 1)
+        draft = drafter.propose(history, k) if k > 0 else []
+        truth = tokens[len(history):len(history) + len(draft) + 1]
+        taken = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), len(draft))
+        if draft:
+            pacer.update(len(draft), taken, kind)
+        pacer.timed(1 + len(draft), cost(1 + len(draft)))
+        spent, passes = spent + cost(1 + len(draft)), passes + 1
+        history += truth[:taken + 1]
+    generated = len(tokens) - n_prompt - 1
+    return (generated * cost(1) / spent, generated / passes) if passes else (1.0, 1.0)
+
+
+def table(streams: dict[str, list[tuple[list[int], int]]], row_costs: list[float]) -> str:
+    """Markdown: for each set and row cost, the modelled speed-up and tokens per pass of both pacings."""
+    lines = ["| set | prompts | row cost | speed-up, kinds apart (geo. mean, min) | tokens per pass | speed-up, "
+             "one estimate | tokens per pass |", "|---|---|---|---|---|---|---|"]
+    for name, pairs in streams.items():
+        for rc in row_costs:
+            cells = []
+            for drafter in (PromptLookup(), OneKind(PromptLookup())):
+                runs = [replay(tokens, n, rc, drafter) for tokens, n in pairs]
+                speed = [s for s, _ in runs]
+                cells.append(f"{statistics.geometric_mean(speed):.3f} ({min(speed):.2f}) | "
+                             f"{statistics.geometric_mean([t for _, t in runs]):.2f}")
+            lines.append(f"| {name} | {len(pairs)} | {rc} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--sets", default="code-edit,open,prose", show_default=True)
+@click.option("--limit", type=int, help="at most this many prompts per set")
+@click.option("--new-tokens", type=int, default=256, show_default=True)
+@click.option("--row-costs", default="0.25,0.35,0.45", show_default=True,
+              help="an extra verify row's cost, in steps: one row of the table each")
+@click.option("--threads", type=int, default=2, show_default=True)
+def main(model_dir, sets, limit, new_tokens, row_costs, threads):
+    import torch
+
+    from eval.speculation import plain_decode, prompt_sets
+    from qlite.pipeline import load
+
+    try:
+        costs = [float(c) for c in row_costs.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{row_costs!r}: numbers separated by commas", param_hint="--row-costs")
+    torch.set_num_threads(threads)
+    lm = load(model_dir)
+    streams = {}
+    for name, prompts in prompt_sets(sets.split(","), limit).items():
+        ids = [lm.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+        streams[name] = [(p + plain_decode(lm, p, new_tokens)[0], len(p)) for p in ids]
+    click.echo(table(streams, costs))
+
+
+if __name__ == "__main__":
+    main()
