@@ -8,7 +8,7 @@ in int4-g64 / -g32, int4k-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in
 against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
 --against SOURCE.c (with --shapes 7b: Qwen2.5-7B's) instead times the products of another version of this instruction set's kernel file
 (built as qlite builds its own, with this checkout's headers) against the current ones, call by call
-on the same weights, streamed from memory (copies of each weight, 300 MB in all), one activation row:
+on the same weights, streamed from memory (copies of each weight, 300 MB in all), at each row count of --rows:
 how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
 --verify DIR instead times speculative decoding's verify forward of a checkpoint (one exact forward of R
 rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-token step, interleaved.
@@ -282,7 +282,7 @@ def tile_with(lib, qweight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
+def time_against(source: Path, calls: int, shapes: str = "0.5b", rows: tuple[int, ...] = (1,)) -> None:
     import copy
     import shutil
     import tempfile
@@ -299,8 +299,8 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
             raise click.ClickException(f"{source}: does not compile ({e.stderr.decode().strip().splitlines()[-1]})")
     if other is None:
         raise click.ClickException(f"{source}: not a kernels file for {name}")
-    print(f"| product ({name}) | weight | current GB/s | {source.name} GB/s | current / {source.name} | same bits |")
-    print("|---|---|---|---|---|---|")
+    print(f"| product ({name}) | weight | rows | current GB/s | {source.name} GB/s | current / {source.name} | same bits |")
+    print("|---|---|---|---|---|---|---|")
     for kind, fmt, N, K in (AGAINST if shapes == "0.5b" else AGAINST_7B):
         if kind == "integer x" and not native.vnni_ready():
             continue  # AVX-512 without VNNI: no integer-activation products
@@ -315,14 +315,15 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b") -> None:
             if kind == "integer x":  # codes tiled as the other file lays them out (its int4 layout may differ)
                 p.buffers = (tile_with(other, c["qweight"]), *p.buffers[1:])
                 p.args = (p.buffers[0].data_ptr(), *p.args[1:])
-        x = torch.randn(1, K).bfloat16()
-        same = torch.equal(current[0](x), against[0](x))
-        times = interleaved({"current": lambda: [p(x) for p in current], "against": lambda: [p(x) for p in against]},
-                            calls)
-        speed = {k: [nbytes * len(copies) / (1e-3 * t) / 1e9 for t in v] for k, v in times.items()}
-        ratio = statistics.median(speed["current"]) / statistics.median(speed["against"])
-        print(f"| {kind} | {fmt.name if fmt else 'bf16'} {N}x{K} | {cell(speed['current'])} | {cell(speed['against'])} "
-              f"| {ratio:.2f} | {'yes' if same else 'no'} |", flush=True)
+        for M in rows:
+            x = torch.randn(M, K).bfloat16()
+            same = torch.equal(current[0](x), against[0](x))
+            times = interleaved({"current": lambda: [p(x) for p in current], "against": lambda: [p(x) for p in against]},
+                                calls)
+            speed = {k: [nbytes * len(copies) / (1e-3 * t) / 1e9 for t in v] for k, v in times.items()}
+            ratio = statistics.median(speed["current"]) / statistics.median(speed["against"])
+            print(f"| {kind} | {fmt.name if fmt else 'bf16'} {N}x{K} | {M} | {cell(speed['current'])} "
+                  f"| {cell(speed['against'])} | {ratio:.2f} | {'yes' if same else 'no'} |", flush=True)
 
 
 @click.command()
@@ -356,7 +357,7 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, v
     if verify_dir:
         return time_verify(verify_dir, [int(r) for r in rows.split(",")], calls)
     if against:
-        return time_against(against, calls, shapes)
+        return time_against(against, calls, shapes, tuple(int(r) for r in rows.split(",")))
     if not native.vnni_ready():
         raise click.ClickException("the integer-activation kernels need AVX-512 VNNI and BF16, or AVX2 and FMA")
     print(f"| weight | rows | {' | '.join(f'{n} ms' for n in NAMES)} | bf16 x / integer x |")
