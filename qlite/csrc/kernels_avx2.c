@@ -228,12 +228,12 @@ static inline __attribute__((always_inline)) void int_rows(
             }
         }
     }
+    float corr[ROWS][XTILE];  /* the zero points' term (int4): sum_g sw z xsum, g in order; (r, m) side by side */
+    for (int r = 0; r < nrows; r++) for (int m = 0; m < mrows; m++) corr[r][m] = 0.f;
+    for (long g = 0; int4 && g < G; g++)
+        for (int r = 0; r < nrows; r++) for (int m = 0; m < mrows; m++) corr[r][m] += sz[r][g] * xsum[m * G + g];
     for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) {
-            float corr = 0.f;  /* the zero points' term (int4): sum_g sw z xsum */
-            for (long g = 0; int4 && g < G; g++) corr += sz[r][g] * xsum[m * G + g];
-            out[r][m] = hsum(total[r][m]) - corr;
-        }
+        for (int m = 0; m < mrows; m++) out[r][m] = hsum(total[r][m]) - corr[r][m];
 }
 
 /* the block of int_driver.h: int_rows with the row stride of x's integers and out as [ROWS][XTILE] */
