@@ -11,7 +11,8 @@ against the fused step (qlite/fused.py, one native call for all layers), alterna
 on the same weights, streamed from memory (copies of each weight, 300 MB in all), at each row count of --rows:
 how a kernel change is measured (`git show REV:qlite/csrc/kernels.c > old.c`).
 --verify DIR instead times speculative decoding's verify forward of a checkpoint (one exact forward of R
-rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-token step, interleaved.
+rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-token step, interleaved,
+through the fused layers and through the layer modules ("/ one step": over the fused one-token step).
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --peak instead measures how close the integer-activation product for a few activation rows (speculation's verify,
 a batched step) comes to this CPU's arithmetic: one core's rate of VNNI multiply-adds and float FMAs (alone and
@@ -228,25 +229,31 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
 
 def time_verify(model_dir, rows: list[int], calls: int) -> None:
     """ms of one exact forward of R rows (R = 1: a plain step) after a 64-token prompt, the cache rolled
-    back after each; `calls` rounds, the row counts interleaved."""
+    back after each; `calls` rounds, the row counts interleaved, through the fused layers (one native call,
+    fused.py) and through the layer modules (the verify pass's path before it took the fused one)."""
     from qlite.loader import load_model
     model = load_model(model_dir)
-    rows = sorted(set(rows) | {1})
-    times, vocab = {r: [] for r in rows}, model.config.vocab_size
+    rows, fused = sorted(set(rows) | {1}), model.model.fused_layers
+    paths = {"fused": fused, "modules": None} if fused is not None else {"modules": None}
+    times, vocab = {(p, r): [] for p in paths for r in rows}, model.config.vocab_size
     with torch.inference_mode():
         cache = model.new_cache(1, 64 + max(rows))
         model(torch.arange(1000, 1064)[None] % vocab, cache, last_only=True)
         for _ in range(calls):
-            for r in rows:
-                t = time.perf_counter()
-                model(torch.arange(2000, 2000 + r)[None] % vocab, cache, exact=r > 1)
-                times[r].append(1e3 * (time.perf_counter() - t))
-                cache.length -= r
-    one = statistics.median(times[1])
-    print("| checkpoint | rows | ms | / one step |")
-    print("|---|---|---|---|")
+            for path, layers in paths.items():
+                model.model.fused_layers = layers
+                for r in rows:
+                    t = time.perf_counter()
+                    model(torch.arange(2000, 2000 + r)[None] % vocab, cache, exact=r > 1)
+                    times[path, r].append(1e3 * (time.perf_counter() - t))
+                    cache.length -= r
+    model.model.fused_layers = fused
+    one = statistics.median(times[next(iter(paths)), 1])
+    print(f"| checkpoint | rows | {' | '.join(f'{p} ms | / one step' for p in paths)} |")
+    print("|---|---|" + "---|---|" * len(paths))
     for r in rows:
-        print(f"| {Path(model_dir).name} | {r} | {cell(times[r])} | {statistics.median(times[r]) / one:.2f} |")
+        cells = " | ".join(f"{cell(times[p, r])} | {statistics.median(times[p, r]) / one:.2f}" for p in paths)
+        print(f"| {Path(model_dir).name} | {r} | {cells} |")
 
 
 AGAINST = [  # (product, format, N, K): the products a decode step of the demo's checkpoints and mixes runs

@@ -84,30 +84,39 @@ class FusedLayers:
 
     def takes(self, x: torch.Tensor, step: Step) -> bool:
         """One new bf16 token per row, a bf16 or quantized cache, plain or left-padded rows (as
-        NativeOps.attention)."""
+        NativeOps.attention); or new tokens of one sequence, each as a step of its own would take it
+        (Step.one_at_a_time: speculation's verify pass)."""
         cache = step.cache
-        return (x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.is_cpu and cache is not None
-                and native.cache_ready(cache.k, cache.kv_bits) and (step.mask is None or step.key_starts is not None))
+        if not (x.dtype == torch.bfloat16 and x.is_cpu and cache is not None and native.cache_ready(cache.k, cache.kv_bits)):
+            return False
+        if x.shape[1] == 1:
+            return step.mask is None or step.key_starts is not None
+        return x.shape[0] == 1 and step.one_at_a_time
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x (B, 1, hidden) -> the residual stream after every layer, (B, 1, hidden); the cache written at step.start."""
-        B = x.shape[0]
+        """x (B, 1, hidden) -> the residual stream after every layer, (B, 1, hidden); the cache written at
+        step.start. Or x (1, T, hidden), one sequence's T new tokens: T rows of one cache row at positions
+        step.start + 0..T-1 (pos_step 1)."""
+        B, T = x.shape[:2]
+        rows, pos_step = B * T, int(T > 1)
         k, v, bits = step.cache.k, step.cache.v, step.cache.kv_bits  # (layers, B or more, n_kv, capacity, record)
-        layers, rows, n_kv, capacity, rec = k.shape
+        layers, cache_rows, n_kv, capacity, rec = k.shape
         hd, pos, record = self.head_dim, step.start, native.kv_record_bytes(bits, self.head_dim)
         native._check_rule((layers, n_kv, rec * k.element_size()) == (self.n_layers, self.n_kv, record)
-                           and rows >= B and k.stride()[2:] == (capacity * rec, rec, 1) and v.shape == k.shape
-                           and v.stride() == k.stride() and 0 <= pos < capacity,
+                           and cache_rows >= B and k.stride()[2:] == (capacity * rec, rec, 1) and v.shape == k.shape
+                           and v.stride() == k.stride() and 0 <= pos and pos + T <= capacity,
                            f"cache {tuple(k.shape)} at {pos}: want {bits}-bit records [{self.n_layers}, >={B}, "
-                           f"{self.n_kv}, capacity, {record} bytes] rows")
-        starts = native.checked_starts(step.key_starts, B, pos)
+                           f"{self.n_kv}, capacity >= {pos + T}, {record} bytes] rows")
+        starts = native.checked_starts(step.key_starts, B, pos) if T == 1 else None
         offsets = step.cache.k_offset if bits != 16 else None
         if offsets is not None:
             native._check(offsets, torch.float32, (self.n_layers, n_kv, hd), "k_offsets")
-        cos, sin = step.cos.reshape(B, hd).contiguous(), step.sin.reshape(B, hd).contiguous()
-        out = x.reshape(B, self.hidden).clone()  # updated in place
+        cos, sin = step.cos.reshape(rows, hd).contiguous(), step.sin.reshape(rows, hd).contiguous()
+        out = x.reshape(rows, self.hidden).clone()  # updated in place
+        row_stride = k.stride(1) * k.element_size() if T == 1 else 0  # T > 1: every row in cache row 0
         native.library().qlite_decode_layers(
-            ctypes.addressof(self.table), self.n_layers, out.data_ptr(), B, self.hidden, self.eps, cos.data_ptr(),
-            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), k.stride(1) * k.element_size(),
-            native._ptr(starts), self.n_head, n_kv, hd, capacity, pos, bits, native._ptr(offsets), torch.get_num_threads())
-        return out.view(B, 1, self.hidden)
+            ctypes.addressof(self.table), self.n_layers, out.data_ptr(), rows, self.hidden, self.eps, cos.data_ptr(),
+            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), row_stride,
+            native._ptr(starts), self.n_head, n_kv, hd, capacity, pos, pos_step, bits, native._ptr(offsets),
+            torch.get_num_threads())
+        return out.view(B, T, self.hidden)

@@ -48,12 +48,12 @@ SIGNATURES = {
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
-    "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _I, _P, _P, _I],
+    "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L, _I, _P, _P, _I],
     "qlite_argmax_bf16": [_P, _L, _L, _P, _P],
     "qlite_kv_decode": [_P, _L, _L, _L, _I, _L, _P, _L, _P, _I],
     "qlite_kv_record_bytes": [_I, _L],
-    "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _I,
-                            _P, _I],
+    "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _L,
+                            _I, _P, _I],
 }
 PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's qlite_product fields, in kind order
     "qlite_gemv_bf16": ("w", "N", "K"),
@@ -429,7 +429,7 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
     library().qlite_decode_attention(qkv.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
                                      cache_v.data_ptr(), cache_k.stride(0) * cache_k.element_size(),
                                      _ptr(starts), n_head, n_kv, hd, capacity,
-                                     pos, bits, _ptr(k_offset), out.data_ptr(), torch.get_num_threads())
+                                     pos, 0, bits, _ptr(k_offset), out.data_ptr(), torch.get_num_threads())
     return out
 
 

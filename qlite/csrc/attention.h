@@ -114,38 +114,49 @@ static inline void rope(const uint16_t *x, const float *cos, const float *sin, l
 }
 
 /* One new token of each of B sequences: rotate q and k (cos/sin of the row's position, fp32 [B, hd]),
- * store k and v at position pos of the row's caches (records of `bits` [n_kv, capacity], rows
- * row_stride bytes apart; k_offset as above), attend over the row's positions starts[b]..pos (starts NULL: 0..pos); out:
- * bf16 [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output.
- * hd % 32 == 0. A row's result depends only on its own keys: the same numbers at any offset, in any batch. */
+ * store k and v at the row's position of its caches (records of `bits` [n_kv, capacity], rows row_stride bytes
+ * apart; k_offset as above), attend over the row's positions starts[b]..its position (starts NULL: from 0); out:
+ * bf16 [B, n_head * hd]. qkv: bf16 [B, (n_head + 2 n_kv) * hd], the fused projection's output. Row b's
+ * position: pos + b pos_step: pos_step 0 for B sequences at one position, 1 with row_stride 0 for B new tokens
+ * of one sequence (speculation's verify pass: every row's keys stored before any row attends, row b over
+ * the positions up to its own, as B one-token steps in turn would). hd % 32 == 0. A row's result depends
+ * only on its own keys: the same numbers at any offset, in any batch. */
 void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const float *sin, uint8_t *cache_k,
                             uint8_t *cache_v, long row_stride, const int64_t *starts, long n_head, long n_kv,
-                            long hd, long capacity, long pos, int bits, const float *k_offset, uint16_t *out,
-                            int threads) {
+                            long hd, long capacity, long pos, long pos_step, int bits, const float *k_offset,
+                            uint16_t *out, int threads) {
     long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd, rec = kv_record_bytes(bits, hd);
     float scale = 1.f / sqrtf((float)hd);
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (long b = 0; b < B; b++)
-    for (long h = 0; h < n_kv; h++) {
-        long first = starts ? starts[b] : 0, S = pos + 1 - first;
-        const uint16_t *q = qkv + b * width, *k = q + n_head * hd, *v = k + n_kv * hd;
-        const float *cb = cos + b * hd, *sb = sin + b * hd;
-        uint8_t *K = cache_k + b * row_stride + h * capacity * rec, *V = cache_v + b * row_stride + h * capacity * rec;
-        float *buf = malloc(sizeof(float) * (rep * S + hd * (2 * rep + KV_BLOCK + 2)));
-        float *kr = buf + rep * S + hd * (rep + KV_BLOCK), *vr = kr + hd, *qr = vr + hd, *scores = buf;
-        rope(k + h * hd, cb, sb, hd, 1.f, kr);
+    for (long h = 0; h < n_kv; h++) {  /* the new keys and values into the caches */
+        const uint16_t *k = qkv + b * width + n_head * hd, *v = k + n_kv * hd;
+        long at = (pos + b * pos_step) * rec;
+        uint8_t *K = cache_k + b * row_stride + h * capacity * rec + at, *V = cache_v + b * row_stride + h * capacity * rec + at;
+        float kr[hd], vr[hd];
+        rope(k + h * hd, cos + b * hd, sin + b * hd, hd, 1.f, kr);
         for (long i = 0; i < hd; i++) { kr[i] = bf16_to_f32(f32_to_bf16(kr[i])); vr[i] = bf16_to_f32(v[h * hd + i]); }
         if (bits == 16) {
             for (long i = 0; i < hd; i++) {
-                ((uint16_t *)(K + pos * rec))[i] = f32_to_bf16(kr[i]);
-                ((uint16_t *)(V + pos * rec))[i] = v[h * hd + i];
+                ((uint16_t *)K)[i] = f32_to_bf16(kr[i]);
+                ((uint16_t *)V)[i] = v[h * hd + i];
             }
         } else {
             if (k_offset) for (long i = 0; i < hd; i++) kr[i] -= k_offset[h * hd + i];
-            kv_encode(kr, hd, bits, K + pos * rec);
-            kv_encode(vr, hd, bits, V + pos * rec);
+            kv_encode(kr, hd, bits, K);
+            kv_encode(vr, hd, bits, V);
         }
-        K += first * rec, V += first * rec;
+    }
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long b = 0; b < B; b++)
+    for (long h = 0; h < n_kv; h++) {
+        long first = starts ? starts[b] : 0, S = pos + b * pos_step + 1 - first;
+        const uint16_t *q = qkv + b * width;
+        const float *cb = cos + b * hd, *sb = sin + b * hd;
+        const uint8_t *K = cache_k + b * row_stride + h * capacity * rec + first * rec;
+        const uint8_t *V = cache_v + b * row_stride + h * capacity * rec + first * rec;
+        float *buf = malloc(sizeof(float) * (rep * S + hd * (2 * rep + KV_BLOCK)));
+        float *qr = buf + rep * S + hd * (rep + KV_BLOCK), *scores = buf;
         if (bits != 16) {
             for (long j = 0; j < rep; j++) rope(q + (h * rep + j) * hd, cb, sb, hd, scale, qr + j * hd);
             attend_records(qr, rep, K, V, S, rec, bits, hd, buf, out + (b * n_head + h * rep) * hd);

@@ -58,12 +58,12 @@ static void add_into(uint16_t *x, const uint16_t *d, long n) {  /* x = bf16(x + 
 }
 
 /* x: the residual stream, bf16 [B, hidden], in and out. The caches and attention arguments are
- * qlite_decode_attention's, layer l's caches at cache_k / cache_v + l * layer_stride bytes, its key
+ * qlite_decode_attention's (pos_step 1, row_stride 0: B new tokens of one sequence, speculation's verify), layer l's caches at cache_k / cache_v + l * layer_stride bytes, its key
  * offsets at k_offsets + l * n_kv * hd (k_offsets NULL: none). */
 void qlite_decode_layers(const qlite_layer *layers, long n_layers, uint16_t *x, long B, long hidden, float eps,
                          const float *cos, const float *sin, uint8_t *cache_k, uint8_t *cache_v, long layer_stride,
                          long row_stride, const int64_t *starts, long n_head, long n_kv, long hd, long capacity,
-                         long pos, int bits, const float *k_offsets, int threads) {
+                         long pos, long pos_step, int bits, const float *k_offsets, int threads) {
     long qkv_n = (n_head + 2 * n_kv) * hd, gu_n = 0, part = 0;  /* gu_n: the widest gate|up; part: split part */
     for (long l = 0; l < n_layers; l++) {
         const qlite_layer *L = layers + l;
@@ -81,7 +81,8 @@ void qlite_decode_layers(const qlite_layer *layers, long n_layers, uint16_t *x, 
         qlite_rmsnorm(x, B, hidden, L->input_norm, eps, h);
         projection(L->qkv, L->n_qkv, h, B, qkv, part_out, threads);
         qlite_decode_attention(qkv, B, cos, sin, cache_k + l * layer_stride, cache_v + l * layer_stride, row_stride,
-                               starts, n_head, n_kv, hd, capacity, pos, bits, k_offsets ? k_offsets + l * n_kv * hd : NULL,
+                               starts, n_head, n_kv, hd, capacity, pos, pos_step, bits,
+                               k_offsets ? k_offsets + l * n_kv * hd : NULL,
                                attn, threads);
         product(&L->o, attn, B, delta, threads);
         add_into(x, delta, B * hidden);

@@ -96,6 +96,34 @@ def check_fused_against_module_path(model, kind, prompts, monkeypatch):
 fused_call = FusedLayers.__call__
 
 
+@pytest.mark.parametrize("kind,kernel,kv_cache", [("bf16", "native", "bf16"), ("int8", "native", "bf16"),
+                                                  ("int4", "native", "bf16"), ("mix", "native-a16", "bf16"),
+                                                  ("int4", "native", "int8"), ("int4-g128", "native", "int4")])
+def test_a_verify_pass_in_one_call_is_the_module_path_bit_for_bit(ckpts, kind, kernel, kv_cache, monkeypatch):
+    """Speculation's verify forward (exact: T new tokens of one sequence, each as its own step) through the
+    fused layers: the logits of every row and the cache's records those of the module path, bit for bit."""
+    if kernel == "native" and not native.vnni_ready():
+        pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
+    model = load_model(ckpts[kind], dtype="bfloat16", kernel=kernel, kv_cache=kv_cache)
+    calls = []
+    monkeypatch.setattr(FusedLayers, "__call__", lambda self, x, step: calls.append(x.shape) or fused_call(self, x, step))
+
+    def verify():
+        cache = model.new_cache(1, 40)
+        with torch.inference_mode():
+            model(torch.arange(3, 20)[None], cache, last_only=True)
+            out = [model(torch.tensor([[7, 8, 9, 10, 11, 12, 13, 14]]), cache, exact=True),
+                   model(torch.tensor([[21, 22]]), cache, exact=True)]
+        return out, cache.k[:, :, :, :27].clone(), cache.v[:, :, :, :27].clone()
+
+    got = verify()
+    assert [shape[1] for shape in calls] == [8, 2]  # both passes in the fused layers, not the prompt
+    model.model.fused_layers = None
+    want = verify()
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
 def test_a_layer_off_the_native_kernels_keeps_the_module_path(ckpts):
     model = load_model(ckpts["int4"], dtype="bfloat16", kernel="native")
     assert model.model.fused_layers is not None
@@ -115,7 +143,11 @@ def test_a_step_it_does_not_take_or_a_wrong_cache(ckpts):
     x = torch.zeros(1, 1, NATIVE_WIDTHS["hidden_size"], dtype=torch.bfloat16)
     cache, cos, sin = model.new_cache(1, 8), torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64)
     assert fused.takes(x, Step(cos, sin, cache, None, 0))
-    assert not fused.takes(torch.zeros(1, 2, x.shape[-1], dtype=torch.bfloat16), Step(cos, sin, cache, None, 0))
+    two = torch.zeros(1, 2, x.shape[-1], dtype=torch.bfloat16)
+    assert not fused.takes(two, Step(cos, sin, cache, None, 0))  # two tokens, not each as its own step
+    assert fused.takes(two, Step(cos, sin, cache, None, 0, one_at_a_time=True))
+    assert not fused.takes(torch.zeros(2, 2, x.shape[-1], dtype=torch.bfloat16), Step(cos, sin, cache, None, 0,
+                                                                                     one_at_a_time=True))
     assert not fused.takes(x, Step(cos, sin, None, None, 0))
     assert not fused.takes(x, Step(cos, sin, cache, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0))
     with pytest.raises(ValueError, match="at 8"):
