@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one native call (csrc/decode_step.h: qlite_decode_layers), for a model
+"""A decode step's decoder layers in one native call (csrc/decode_step.h: qlite_decode_layers), and a verify
+pass's (speculate.py: one sequence's new tokens, each as its own step would take it), for a model
 whose every linear runs a native product and whose small ops are native (backends.NativeOps). The C side
 calls the very kernels the module path calls, in the same order, so the result is bitwise the same
 (tested); what goes is the Python between them: ~10 module calls, checks and allocations per layer,

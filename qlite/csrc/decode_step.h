@@ -1,4 +1,5 @@
-/* qlite_decode_layers: every decoder layer of one decode step (one new token per row) in one call, the same
+/* qlite_decode_layers: every decoder layer of one decode step (one new token per row; or, pos_step 1, one
+ * sequence's new tokens as rows, speculation's verify pass) in one call, the same
  * in both kernel files (kernels.c, kernels_avx2.c), included after their products and small ops. It calls
  * exactly the functions the module path calls one by one (model.DecoderLayer with the native kernels), in
  * the same order, with the same roundings, so its result is bitwise that path's: what it saves is ~10
