@@ -174,7 +174,7 @@ class Pacer:
             return self.seconds[rows]
         step, measured = self.seconds.get(1, 1.0), [r for r in self.seconds if r > 1]
         if measured:
-            near = min(measured, key=lambda r: (abs(r - rows), -r))  # a tie: the dearer per row, larger
+            near = min(measured, key=lambda r: (abs(r - rows), -r))  # a tie: the larger count
             return step + (self.seconds[near] - step) * (rows - 1) / (near - 1)
         return step * (1 + self.ROW_COST * (rows - 1)) + getattr(self.drafter, "seconds_per_token", 0.0) * (rows - 1)
 
