@@ -17,10 +17,11 @@ R rows costs 1 + ~0.3-0.45 (R - 1) steps on 2 cores (`python -m eval.kernel_benc
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
 import click
 
-from qlite.speculate import MAX_DRAFT, Drafter, Pacer, PromptLookup
+from qlite.speculate import MAX_DRAFT, Drafter, PromptLookup, Speculator
 
 
 class OneKind(Drafter):
@@ -42,24 +43,23 @@ class OneKind(Drafter):
 def replay(tokens: list[int], n_prompt: int, row_cost: float, drafter: Drafter, most: int = MAX_DRAFT
            ) -> tuple[float, float]:
     """(plain decoding's modelled cost over speculation's, tokens per pass) for the output tokens[n_prompt:],
-    its first token given (the prompt's forward picks it either way)."""
+    its first token given (the prompt's forward picks it either way). The proposals come from qlite's own
+    Speculator; only the verify forward is replaced by the known output."""
     def cost(rows: int) -> float:
         return 1 + row_cost * (rows - 1)
 
-    drafter, pacer = drafter.for_sequence(), Pacer(most)
-    pacer.timed(1, cost(1))  # speculation's first pass is a plain step: the measure of the others
-    history, spent, passes = list(tokens[:n_prompt + 1]), 0.0, 0
-    while len(history) < len(tokens):
-        kind = drafter.match(history)
-        k = min(pacer.next(kind) if kind else 0, len(tokens) - len(history) - 1)
-        draft = drafter.propose(history, k) if k > 0 else []
-        truth = tokens[len(history):len(history) + len(draft) + 1]
+    spec, seq = Speculator(drafter, most), SimpleNamespace(history=list(tokens[:n_prompt + 1]))
+    spec.timed(1, cost(1))  # speculation's first pass is a plain step: the measure of the others
+    spent, passes = 0.0, 0
+    while len(seq.history) < len(tokens):
+        draft = spec.propose(seq, len(tokens) - len(seq.history) - 1)
+        truth = tokens[len(seq.history):len(seq.history) + len(draft) + 1]
         taken = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), len(draft))
         if draft:
-            pacer.update(len(draft), taken, kind)
-        pacer.timed(1 + len(draft), cost(1 + len(draft)))
+            spec.pacer.update(len(draft), taken, spec.kind)
+        spec.timed(1 + len(draft), cost(1 + len(draft)))
         spent, passes = spent + cost(1 + len(draft)), passes + 1
-        history += truth[:taken + 1]
+        seq.history += truth[:taken + 1]
     generated = len(tokens) - n_prompt - 1
     return (generated * cost(1) / spent, generated / passes) if passes else (1.0, 1.0)
 

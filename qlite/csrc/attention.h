@@ -127,7 +127,9 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
                             uint16_t *out, int threads) {
     long rep = n_head / n_kv, width = (n_head + 2 * n_kv) * hd, rec = kv_record_bytes(bits, hd);
     float scale = 1.f / sqrtf((float)hd);
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    #pragma omp parallel num_threads(threads)
+    {  /* one team for both loops: the second starts when the first is done (the for's barrier) */
+    #pragma omp for collapse(2) schedule(static)
     for (long b = 0; b < B; b++)
     for (long h = 0; h < n_kv; h++) {  /* the new keys and values into the caches */
         const uint16_t *k = qkv + b * width + n_head * hd, *v = k + n_kv * hd;
@@ -147,7 +149,7 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
             kv_encode(vr, hd, bits, V);
         }
     }
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    #pragma omp for collapse(2) schedule(static)
     for (long b = 0; b < B; b++)
     for (long h = 0; h < n_kv; h++) {
         long first = starts ? starts[b] : 0, S = pos + b * pos_step + 1 - first;
@@ -174,5 +176,6 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
             mix_bf16(sc, (const uint16_t *)V, S, hd, 1.f / exp_sum(sc, S, mx), out + (b * n_head + qh) * hd);
         }
         free(buf);
+    }
     }
 }

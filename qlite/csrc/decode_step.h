@@ -59,8 +59,9 @@ static void add_into(uint16_t *x, const uint16_t *d, long n) {  /* x = bf16(x + 
 }
 
 /* x: the residual stream, bf16 [B, hidden], in and out. The caches and attention arguments are
- * qlite_decode_attention's (pos_step 1, row_stride 0: B new tokens of one sequence, speculation's verify), layer l's caches at cache_k / cache_v + l * layer_stride bytes, its key
- * offsets at k_offsets + l * n_kv * hd (k_offsets NULL: none). */
+ * qlite_decode_attention's (pos_step 1, row_stride 0: B new tokens of one sequence, speculation's verify),
+ * layer l's caches at cache_k / cache_v + l * layer_stride bytes, its key offsets at k_offsets + l * n_kv * hd
+ * (k_offsets NULL: none). */
 void qlite_decode_layers(const qlite_layer *layers, long n_layers, uint16_t *x, long B, long hidden, float eps,
                          const float *cos, const float *sin, uint8_t *cache_k, uint8_t *cache_v, long layer_stride,
                          long row_stride, const int64_t *starts, long n_head, long n_kv, long hd, long capacity,
