@@ -6,10 +6,11 @@ What a pass yields is what a real one would: the proposals up to the first that 
 then the output's next token (greedy speculation is exact, so the output is the same either way).
 
 Each row: the modelled speed-up over plain decoding (plain steps' cost over the passes', geometric mean
-and min over prompts) and tokens per pass, for the pacer that weighs each kind of proposal on its own
-(qlite's: prompt lookup's kinds are the lengths of the n-gram matched) and for one estimate for every kind
-(qlite's pacer before), at each row cost. Row costs measured: the demo int4-g128 model's verify pass of
-R rows costs 1 + ~0.3-0.45 (R - 1) steps on 2 cores (`python -m eval.kernel_bench --verify DIR`).
+and min over prompts) and tokens per pass, at each row cost, for qlite's lookup (each kind of proposal
+weighed on its own, the earlier prompts' answers remembered), for the lookup without earlier answers
+(the sequence's own history only) and for one estimate for every kind (qlite's pacer before). Row costs
+measured: the demo int4-g128 model's verify pass of R rows costs 1 + ~0.2-0.45 (R - 1) steps on 2 cores
+(`python -m eval.kernel_bench --verify DIR`).
 
     python -m eval.pacing MODEL_DIR [--sets code-edit,open,prose] [--limit N] [--new-tokens 256]
                                     [--row-costs 0.25,0.35,0.45]
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 
 import click
 
-from qlite.speculate import MAX_DRAFT, Drafter, PromptLookup, Speculator
+from qlite.speculate import MAX_DRAFT, Answers, Drafter, PromptLookup, Speculator
 
 
 class OneKind(Drafter):
@@ -38,6 +39,9 @@ class OneKind(Drafter):
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return self.drafter.propose(tokens, k)
+
+    def remember(self, answer: list[int]) -> None:
+        self.drafter.remember(answer)
 
 
 def replay(tokens: list[int], n_prompt: int, row_cost: float, drafter: Drafter, most: int = MAX_DRAFT
@@ -60,22 +64,38 @@ def replay(tokens: list[int], n_prompt: int, row_cost: float, drafter: Drafter, 
         spec.timed(1 + len(draft), cost(1 + len(draft)))
         spent, passes = spent + cost(1 + len(draft)), passes + 1
         seq.history += truth[:taken + 1]
+    seq.generated = len(tokens) - n_prompt
+    spec.finish(seq)
     generated = len(tokens) - n_prompt - 1
     return (generated * cost(1) / spent, generated / passes) if passes else (1.0, 1.0)
 
 
+COLUMNS = {  # the drafter of each column of the table
+    "qlite's": lambda: PromptLookup(),
+    "no earlier answers": lambda: PromptLookup(answers=Answers(most=0)),
+    "one estimate": lambda: OneKind(PromptLookup()),
+}
+
+
 def table(streams: dict[str, list[tuple[list[int], int]]], row_costs: list[float]) -> str:
-    """Markdown: for each set and row cost, the modelled speed-up and tokens per pass of both pacings."""
-    lines = ["| set | prompts | row cost | speed-up, kinds apart (geo. mean, min) | tokens per pass | speed-up, "
-             "one estimate | tokens per pass |", "|---|---|---|---|---|---|---|"]
+    """Markdown: for each set and row cost, the modelled speed-up and tokens per pass of each column's drafter,
+    one drafter per column and row cost for all the sets in turn (as a bench run or a server keeps one: the
+    earlier answers it remembers are those of the prompts before)."""
+    head = " | ".join(f"speed-up, {name} (geo. mean, min) | tokens per pass" for name in COLUMNS)
+    lines = [f"| set | prompts | row cost | {head} |", "|---|---|---|" + "---|---|" * len(COLUMNS)]
+    runs = {}  # (row cost, set, column) -> each prompt's (speed-up, tokens per pass)
+    for rc in row_costs:
+        for column, make in COLUMNS.items():
+            drafter = make()
+            for name, pairs in streams.items():
+                runs[rc, name, column] = [replay(tokens, n, rc, drafter) for tokens, n in pairs]
     for name, pairs in streams.items():
         for rc in row_costs:
             cells = []
-            for drafter in (PromptLookup(), OneKind(PromptLookup())):
-                runs = [replay(tokens, n, rc, drafter) for tokens, n in pairs]
-                speed = [s for s, _ in runs]
+            for column in COLUMNS:
+                speed, per_pass = zip(*runs[rc, name, column])
                 cells.append(f"{statistics.geometric_mean(speed):.3f} ({min(speed):.2f}) | "
-                             f"{statistics.geometric_mean([t for _, t in runs]):.2f}")
+                             f"{statistics.geometric_mean(per_pass):.2f}")
             lines.append(f"| {name} | {len(pairs)} | {rc} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

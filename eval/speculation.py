@@ -7,6 +7,9 @@ the share of proposals accepted, and whether the output is token for token plain
 - open: the built-in code tasks' prompts (code_tasks.jsonl): new code, little to copy;
 - prose: chat prose questions.
 
+One speculation serves the whole run, the sets in the order given, as a server or a chat keeps one: prompt
+lookup also drafts from the answers of the prompts before (qlite.speculate.Answers).
+
 --speculate DIR drafts with that checkpoint instead of prompt lookup (a draft model with the same tokenizer:
 quantized self-speculation is an 8-bit MODEL_DIR with a 4-bit DIR). --baseline DIR also decodes the same
 prompts plainly with another checkpoint in the same run (the int4-g128 model, for self-speculation's bar):

@@ -357,6 +357,8 @@ class Engine:
             if seq.finished or job.cancelled:
                 if self.prompt_cache is not None and not seq.failed:
                     self._remember(i, seq)
+                if job.speculator is not None and not seq.failed:
+                    job.speculator.finish(seq)
                 self.cache.leave(i)
                 self.rows[i] = self.rows[-1]
                 self.rows.pop()

@@ -8,7 +8,8 @@ keeping the proposal iff x equals it is speculative sampling's accept-with-p(d),
 rest rule.) A rejected proposal's keys and values are left past the cache's length, overwritten next.
 
 Drafters propose up to k tokens given the sequence so far: PromptLookup (the longest recent n-gram of
-prompt + output that recurs proposes what followed it) and DraftModel (what another checkpoint with the
+prompt + output that recurs proposes what followed it; where the sequence has no long match, an earlier
+sequence's answer may: the model reuses its own phrases) and DraftModel (what another checkpoint with the
 same tokenizer decodes greedily: a 4-bit mix drafting for an 8-bit model of the same weights is quantized
 self-speculation). A drafter's proposals are one-hot, so a sampled run keeps plain decoding's very draws
 (the min(1, p/q) rule with a draft model's full q would take more proposals, but other draws than plain
@@ -32,7 +33,8 @@ MAX_DRAFT = 7  # proposals per pass: the verify forward's rows (1 + 7) stay in t
 class Drafter:
     """The drafters' interface: `propose(tokens, k)`, up to k tokens likely to follow `tokens`; `match(tokens)`,
     which kind of proposal is on offer (0: none), each kind's acceptance learnt on its own by the pacer;
-    `for_sequence()`, the drafter for one sequence (a copy where it keeps state about the sequence)."""
+    `for_sequence()`, the drafter for one sequence (a copy where it keeps state about the sequence);
+    `remember(answer)`, a sequence's generated tokens once it ends."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
@@ -43,6 +45,61 @@ class Drafter:
     def for_sequence(self) -> "Drafter":
         return self
 
+    def remember(self, answer: list[int]) -> None:
+        """A sequence's generated tokens, once it ends (a drafter that learns from earlier answers keeps them)."""
+
+
+class Answers:
+    """Earlier sequences' generated tokens (the newest `most`, in order), with where each of their 3- to
+    max_ngram-grams last ended: what a new sequence's tail may be continued by when its own history has no
+    long match (the model answers in its own phrases: code's scaffolding, its explanations' headings;
+    llama.cpp's lookup keeps such a "dynamic" n-gram cache too). Shared by every sequence of a Speculation
+    (a server's requests): proposals are only proposals, the model's own tokens are what is taken. At most
+    `most` tokens are kept (past it the older half goes): 2^15, some 16 MB of index."""
+    END = -1
+    MIN_NGRAM = 3  # shorter matches of other answers mislead more than they help (eval.pacing)
+
+    def __init__(self, max_ngram: int = 5, most: int = 1 << 15):
+        self.max_ngram, self.most = max_ngram, most
+        self.tokens: list[int] = []  # the answers one after another, each followed by END
+        self.ends: dict[tuple, int] = {}  # n-gram -> where its latest occurrence ends
+
+    def add(self, answer: list[int]) -> None:
+        if not answer or len(answer) + 1 > self.most:
+            return
+        if len(self.tokens) + len(answer) + 1 > self.most:  # keep the newest half, indexed afresh
+            kept = self.tokens[len(self.tokens) // 2:]
+            self.tokens, self.ends = [], {}
+            for start, end in _runs(kept, self.END):
+                self.add(kept[start:end])
+        base = len(self.tokens)
+        self.tokens += [*answer, self.END]
+        for end in range(base + self.MIN_NGRAM, base + len(answer)):  # the grams with a continuation
+            for n in range(self.MIN_NGRAM, min(self.max_ngram, end - base) + 1):
+                self.ends[tuple(self.tokens[end - n:end])] = end
+
+    def match(self, tokens: list[int]) -> tuple[int, int | None]:
+        """(n, where its continuation starts) for the longest tail n-gram of tokens an answer had, else (0, None)."""
+        for n in range(min(self.max_ngram, len(tokens)), self.MIN_NGRAM - 1, -1):
+            end = self.ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return n, end
+        return 0, None
+
+    def after(self, end: int, k: int) -> list[int]:
+        """Up to k tokens of the answer from `end` on."""
+        ahead = self.tokens[end:end + k]
+        return ahead[:ahead.index(self.END)] if self.END in ahead else ahead
+
+
+def _runs(tokens: list[int], separator: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each run of tokens that the separator ends."""
+    start = 0
+    for i, t in enumerate(tokens):
+        if t == separator:
+            yield start, i
+            start = i + 1
+
 
 class PromptLookup(Drafter):
     """Proposes the continuation of the most recent earlier occurrence of the sequence's last n tokens,
@@ -50,20 +107,29 @@ class PromptLookup(Drafter):
     llama.cpp's llama-lookup, transformers' prompt_lookup_num_tokens). Where each n-gram last ended is
     indexed as the sequence grows (one dict update per token and n), so a lookup costs as much at 30,000
     tokens as at 30; the index follows one token list (the sequence's history, which only grows), and
-    starts again when given another."""
+    starts again when given another. Where the sequence's own match is shorter than Answers.MIN_NGRAM (3),
+    an earlier answer's (`answers`, shared by the sequences of one Speculation) is proposed instead: its
+    kinds are ANSWER_KINDS + n, apart from the sequence's own (1 to max_ngram)."""
+    ANSWER_KINDS = 10
 
-    def __init__(self, max_ngram: int = 5, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 5, min_ngram: int = 1, answers: Answers | None = None):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.answers = answers if answers is not None else Answers(max_ngram)
         self.tokens: list[int] | None = None  # the list indexed, its first `indexed` tokens
         self.indexed, self.ends = 0, {}  # ends: n-gram -> where its latest occurrence ends
         self.earlier: dict[int, int | None] = {}  # n -> where the tail's n-gram ended before the tail, if it did
+        self.answer_end = 0  # where the matched earlier answer's continuation starts
 
     def for_sequence(self) -> "PromptLookup":
-        """A lookup of its own for one sequence (its index)."""
-        return PromptLookup(self.max_ngram, self.min_ngram)
+        """A lookup of its own for one sequence (its index), the earlier answers shared."""
+        return PromptLookup(self.max_ngram, self.min_ngram, self.answers)
+
+    def remember(self, answer: list[int]) -> None:
+        self.answers.add(answer)
 
     def match(self, tokens: list[int]) -> int:
-        """The n of the longest tail n-gram that occurred before (0: none): what kind of proposal is on offer."""
+        """What kind of proposal is on offer (0: none): the n of the longest tail n-gram that occurred before
+        in the sequence, or ANSWER_KINDS + n for one in an earlier answer."""
         if tokens is not self.tokens or len(tokens) < self.indexed:
             self.tokens, self.indexed, self.ends, self.earlier = tokens, 0, {}, {}
         for end in range(self.indexed + 1, len(tokens) + 1):
@@ -72,11 +138,18 @@ class PromptLookup(Drafter):
                 self.earlier[n] = self.ends.get(gram)
                 self.ends[gram] = end
         self.indexed = len(tokens)
-        return next((n for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1)
-                     if self.earlier.get(n) is not None), 0)
+        own = next((n for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1)
+                    if self.earlier.get(n) is not None), 0)
+        if own < Answers.MIN_NGRAM:
+            n, self.answer_end = self.answers.match(tokens)
+            if n:
+                return self.ANSWER_KINDS + n
+        return own
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         n = self.match(tokens)
+        if n > self.ANSWER_KINDS:
+            return self.answers.after(self.answer_end, k)
         return tokens[self.earlier[n]:self.earlier[n] + k] if n else []
 
 
@@ -265,6 +338,10 @@ class Speculator:
         """What a pass of `rows` fed tokens took, its drafting included."""
         self.pacer.timed(rows, seconds)
 
+    def finish(self, seq) -> None:
+        """The sequence has ended: its answer to the drafter, for the sequences after it."""
+        self.drafter.remember(seq.history[len(seq.history) - seq.generated:])
+
     def took(self) -> None:
         """A plain step's token (a batched step, where this sequence proposed nothing), for the stats."""
         self.stats.passes, self.stats.tokens = self.stats.passes + 1, self.stats.tokens + 1
@@ -331,6 +408,7 @@ def decode_speculative(model, prompt: list[int], seq, drafter, most: int = MAX_D
             cache.length = start + len(steps)  # the fed tokens that were taken; the rest is overwritten next
         yield from steps
         if seq.finished:
+            spec.finish(seq)
             return
         # the last token the context or the budget allows is picked whatever was proposed for it
         t0 = time.perf_counter()  # a pass's cost: the drafting and the verify forward

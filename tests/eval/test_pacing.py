@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from eval.pacing import OneKind, main, replay, table
 from qlite import native
-from qlite.speculate import PromptLookup
+from qlite.speculate import Answers, PromptLookup
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 
 
@@ -30,10 +30,24 @@ def test_kinds_apart_beat_one_estimate_where_short_matches_mislead():
 
 
 def test_the_table_has_a_row_per_set_and_row_cost():
-    streams = {"a": [(list(range(50)) * 2, 50)], "b": [(list(range(80)), 40)]}
+    streams = {"a": [(list(range(50)) * 2, 50)], "b": [(list(range(100, 180)), 40)]}
     rows = table(streams, [0.3, 0.5]).splitlines()[2:]
     assert [r.split(" | ")[0::2][:2] for r in rows] == [["| a", "0.3"], ["| a", "0.5"], ["| b", "0.3"], ["| b", "0.5"]]
-    assert rows[2].endswith("| 1.000 (1.00) | 1.00 | 1.000 (1.00) | 1.00 |")
+    assert rows[2].endswith("| 1.000 (1.00) | 1.00 " * 3 + "|")
+
+
+def test_an_answer_like_an_earlier_one_is_drafted_from_it_unless_the_lookup_forgets_answers():
+    """The second prompt's answer repeats the first's (not its own prompt): only a lookup that remembers
+    earlier answers proposes it."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 500, (40,), generator=gen).tolist() for _ in range(2)]
+    answer = (1000 + torch.randperm(1000, generator=gen)[:120]).tolist()  # no token twice
+    remembers, forgets = PromptLookup(), PromptLookup(answers=Answers(most=0))
+    for lookup in (remembers, forgets):
+        assert replay(prompts[0] + answer, 40, 0.35, lookup) == (1.0, 1.0)  # nothing earlier to draw on
+    assert replay(prompts[1] + answer, 40, 0.35, forgets) == (1.0, 1.0)
+    speed, per_pass = replay(prompts[1] + answer, 40, 0.35, remembers)
+    assert speed > 2.0 and per_pass > 4.0
 
 
 @pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")

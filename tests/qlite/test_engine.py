@@ -122,7 +122,8 @@ def test_a_prefill_that_fails_fails_its_own_requests_alone(lm, monkeypatch):
 def test_speculation_alone_and_plain_steps_in_a_batch_answer_as_plain_decoding(lm, monkeypatch):
     """With a speculation, a sequence alone in the batch decodes by verified proposals; sequences
     decoding together take plain batched steps, and the last one left speculates again. Every answer
-    is the prompt's alone; a job that opts out has no speculator. The drafter knows each answer but
+    is the prompt's alone; a job that opts out has no speculator; each that speculated gives the drafter
+    its answer when it ends (the drafter's memory of earlier answers). The drafter knows each answer but
     proposes a wrong token every third pass, so both paths of a pass run. (Passes cost what the pacer's
     model says: on a tiny model it would rightly find proposals not worth their rows.)"""
     from dataclasses import replace
@@ -139,7 +140,10 @@ def test_speculation_alone_and_plain_steps_in_a_batch_answer_as_plain_decoding(l
         answers_ids.append(ids + [t for [(t, _)] in decode_batch(lm.model, [ids], [seq])])
 
     class Oracle(Drafter):
-        calls = 0
+        calls, remembered = 0, []
+
+        def remember(self, answer):
+            self.remembered.append(answer)
 
         def propose(self, tokens, k):
             self.calls += 1
@@ -175,6 +179,8 @@ def test_speculation_alone_and_plain_steps_in_a_batch_answer_as_plain_decoding(l
     assert 0 < alone.accepted < alone.proposed and alone.passes < alone.tokens / 2
     assert alone.tokens == len(answers_ids[0]) - len(lm.prompt_ids(list(prompts)[0], chat=False))
     assert last.proposed > 0 and last.passes < last.tokens  # once alone
+    generated = [a[len(lm.prompt_ids(p, chat=False)):] for p, a in zip(prompts, answers_ids) if p != "he he"]
+    assert sorted(Oracle.remembered) == sorted(generated)  # each speculating job's answer, once it ended
 
 
 @pytest.mark.parametrize("kv_bits", [16, 8])

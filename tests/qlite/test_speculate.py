@@ -14,7 +14,7 @@ from qlite.decode import Sequence, decode_batch, stream_text
 from qlite.errors import QliteError
 from qlite.generate import SamplingParams
 from qlite.loader import load_model
-from qlite.speculate import (MAX_DRAFT, DraftModel, Drafter, Pacer, PromptLookup, Speculation, Stats,
+from qlite.speculate import (MAX_DRAFT, Answers, DraftModel, Drafter, Pacer, PromptLookup, Speculation, Stats,
                              decode_speculative)
 from qlite.tokenizer import Tokenizer
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
@@ -207,6 +207,50 @@ def test_prompt_lookup_indexes_a_growing_sequence_as_a_scan_finds_it():
         if i % 3 == 0:  # proposals asked for after one, two or three new tokens
             assert lookup.propose(history, 5) == scan(history, 5, lookup.max_ngram), i
     assert lookup.for_sequence().indexed == 0 and lookup.indexed == len(stream)
+
+
+def test_prompt_lookup_draws_on_earlier_answers_where_the_sequence_has_no_long_match_of_its_own():
+    shared = PromptLookup()
+    shared.remember([10, 11, 12, 13, 14, 15, 16])
+    lookup = shared.for_sequence()  # the answers are every sequence's
+    assert lookup.match([1, 10, 11, 12]) == PromptLookup.ANSWER_KINDS + 3
+    assert lookup.propose([1, 10, 11, 12], 3) == [13, 14, 15]
+    assert lookup.propose([1, 10, 11, 12], 9) == [13, 14, 15, 16]  # not past the answer's end
+    assert lookup.propose([12, 50, 10, 11, 12], 2) == [13, 14]  # its own 1-gram [12] is shorter
+    assert lookup.propose([10, 11, 12, 99, 10, 11, 12], 2) == [99, 10]  # its own 3-gram goes first
+    assert lookup.propose([5, 11, 12], 2) == []  # an answer's 2-gram is not enough
+    assert lookup.propose([9, 14, 15, 16], 2) == []  # an answer's end: nothing after
+
+
+def test_earlier_answers_keep_the_newest_within_their_bound():
+    answers = Answers(max_ngram=4, most=20)
+    for a in ([1, 2, 3, 4, 5, 6, 7, 8], [21, 22, 23, 24, 25, 26, 27, 28], [31, 32, 33, 34, 35, 36, 37, 38]):
+        answers.add(a)
+    assert len(answers.tokens) <= 20
+    assert answers.match([1, 2, 3]) == (0, None)  # the oldest forgotten
+    for first in (21, 31):
+        n, end = answers.match([first, first + 1, first + 2])
+        assert n == 3 and answers.after(end, 3) == [first + 3, first + 4, first + 5]
+    answers.add(list(range(100, 125)))  # longer than the bound: not kept
+    assert answers.match([31, 32, 33])[0] == 3 and answers.match([100, 101, 102]) == (0, None)
+
+
+@needs_native
+def test_a_speculation_drafts_from_its_earlier_answers(ckpts, monkeypatch):
+    """The same prompt decoded twice with one Speculation: the first answer, remembered, is proposed for the
+    second. (Passes cost what the pacer's model says: on a tiny model it would rightly find proposals not
+    worth their rows.)"""
+    monkeypatch.setattr(Pacer, "cost", lambda self, rows: 1 + Pacer.ROW_COST * (rows - 1))
+    model = load_model(ckpts["bf16"])
+    prompt, params = list(range(40, 60)), SamplingParams(max_new_tokens=40)
+    plain, _ = decode(model, prompt, params)
+    spec = Speculation.named("lookup", model)
+    first, _ = decode(model, prompt, params, spec)
+    taken = spec.stats.accepted
+    second, _ = decode(model, prompt, params, spec)
+    assert first == second == plain
+    assert spec.drafter.answers.tokens[-len(plain) - 1:-1] == plain
+    assert spec.stats.accepted - taken > max(taken, len(plain) // 2)
 
 
 def test_the_pacer_follows_acceptance_and_cost():
