@@ -1,6 +1,7 @@
 """The demo int4 checkpoint through every export: bit-identical round trips, GGUF blocks as ggml reads
 them, and transformers (GPTQModel) greedy tokens equal to qlite's reference teacher-forced."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -15,18 +16,29 @@ from quantize.interchange import export_checkpoint, import_checkpoint
 pytestmark = pytest.mark.demo
 
 
-def test_demo_round_trips(demo_int4, tmp_path):
+@pytest.fixture(scope="module")
+def exported(demo_int4, tmp_path_factory):
+    """The demo int4 exported to GPTQ and compressed-tensors, and each imported back: {format: (the export's
+    notes, its dir, the dir imported back)}, for the tests below (one export of each)."""
+    out, done = tmp_path_factory.mktemp("exported"), {}
+    for to in ("gptq", "compressed-tensors"):
+        notes = export_checkpoint(demo_int4, to, out / to, progress=False)
+        import_checkpoint(out / to, out / f"{to}-back", progress=False)
+        done[to] = notes, out / to, out / f"{to}-back"
+    yield done
+    shutil.rmtree(out)  # four copies of the demo: not kept to the session's end
+
+
+def test_demo_round_trips(demo_int4, exported):
     ours = CheckpointDir(demo_int4)
     zero_groups = sum(int((ours.read(n) == 0).sum()) for n in ours.tensors if n.endswith(".zeros"))
     assert zero_groups > 0  # the case GPTQ v1 cannot hold: auto writes v2
-    for to in ("gptq", "compressed-tensors"):
-        notes = export_checkpoint(demo_int4, to, tmp_path / to, progress=False)
+    for to, (notes, export_dir, back_dir) in exported.items():
         if to == "gptq":
             assert any("gptq_v2" in n for n in notes)
-            assert json.loads((tmp_path / to / "config.json").read_text())["quantization_config"][
+            assert json.loads((export_dir / "config.json").read_text())["quantization_config"][
                 "checkpoint_format"] == "gptq_v2"
-        import_checkpoint(tmp_path / to, tmp_path / f"{to}-back", progress=False)
-        back = CheckpointDir(tmp_path / f"{to}-back")
+        back = CheckpointDir(back_dir)
         for name in ours.tensors:
             if to == "gptq" and name.startswith("lm_head.") or name.startswith("model.embed_tokens."):
                 continue  # written float16: transformers' GPTQ loader, no quantized embeddings in either
@@ -54,13 +66,12 @@ def test_demo_gguf_blocks(demo_int4, tmp_path):
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == 151936
 
 
-def test_demo_gptq_greedy_in_transformers(demo_int4, tmp_path):
+def test_demo_gptq_greedy_in_transformers(demo_int4, exported):
     pytest.importorskip("gptqmodel")
-    export_checkpoint(demo_int4, "gptq", tmp_path / "gptq", progress=False)
-    import_checkpoint(tmp_path / "gptq", tmp_path / "back", progress=False)  # lm_head as transformers has it
+    _, export_dir, back = exported["gptq"]  # back: lm_head as transformers has it
     prompt = Tokenizer(demo_int4).encode(PROMPT)
-    new, logits = transformers_run(tmp_path / "gptq", prompt, 16)
-    row = compare(tmp_path / "back", prompt, new, logits)
+    new, logits = transformers_run(export_dir, prompt, 16)
+    row = compare(back, prompt, new, logits)
     assert row["same_tokens"], row
     assert row["max_abs_logit_diff"] < 0.5, row
 

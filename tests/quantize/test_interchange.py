@@ -301,21 +301,24 @@ def test_compressed_tensors_asymmetric_decompresses_as_theirs(quantized, tmp_pat
 
 def test_gptq_export_runs_in_transformers(quantized, tmp_path):
     pytest.importorskip("gptqmodel")  # transformers' GPTQ path on the CPU (test extra)
-    code = (
+    code = (  # one process for every export: importing transformers and gptqmodel is most of the time
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
         "from safetensors.torch import save_file\n"
-        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, device_map='cpu').eval()\n"
-        "assert 'gptqmodel' in type(m.model.layers[0].self_attn.q_proj).__module__\n"
-        f"ids = torch.tensor({IDS.tolist()})\n"
-        "w = m.model.layers[1].mlp.down_proj.dequantize_weight().T.float().contiguous()  # their (K, N)\n"
-        "with torch.no_grad(): save_file({'logits': m(ids).logits.float().contiguous(), 'w': w}, sys.argv[2])\n")
-    for name in ("int4-g32", "int8"):
+        "for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, device_map='cpu').eval()\n"
+        "    assert 'gptqmodel' in type(m.model.layers[0].self_attn.q_proj).__module__\n"
+        f"    ids = torch.tensor({IDS.tolist()})\n"
+        "    w = m.model.layers[1].mlp.down_proj.dequantize_weight().T.float().contiguous()  # their (K, N)\n"
+        "    with torch.no_grad(): save_file({'logits': m(ids).logits.float().contiguous(), 'w': w}, dst)\n")
+    names = ("int4-g32", "int8")
+    for name in names:
         export_checkpoint(quantized[name], "gptq", tmp_path / name, progress=False)
         import_checkpoint(tmp_path / name, tmp_path / f"{name}-back", progress=False)  # the same weights in qlite
-        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / name), str(tmp_path / f"{name}.st")],
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", code, *(str(tmp_path / f) for n in names for f in (n, f"{n}.st"))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in names:
         got = load_file(tmp_path / f"{name}.st")
         model = load_model(tmp_path / f"{name}-back", dtype="float32", kernel="reference")
         down = dict(model.named_modules())["model.layers.1.mlp.down_proj"].dequantize()
