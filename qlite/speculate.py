@@ -55,7 +55,8 @@ class Answers:
     long match (the model answers in its own phrases: code's scaffolding, its explanations' headings;
     llama.cpp's lookup keeps such a "dynamic" n-gram cache too). Shared by every sequence of a Speculation
     (a server's requests): proposals are only proposals, the model's own tokens are what is taken. At most
-    `most` tokens are kept (past it the older half goes): 2^15, some 16 MB of index."""
+    `most` tokens are kept (past it the older half goes, or more where a new answer needs the room): 2^15,
+    some 16 MB of index."""
     END = -1
     MIN_NGRAM = 3  # shorter matches of other answers mislead more than they help (eval.pacing)
 
@@ -67,16 +68,24 @@ class Answers:
     def add(self, answer: list[int]) -> None:
         if not answer or len(answer) + 1 > self.most:
             return
-        if len(self.tokens) + len(answer) + 1 > self.most:  # keep the newest half, indexed afresh
-            kept = self.tokens[len(self.tokens) // 2:]
-            self.tokens, self.ends = [], {}
-            for start, end in _runs(kept, self.END):
-                self.add(kept[start:end])
+        over = len(self.tokens) + len(answer) + 1 - self.most
+        if over > 0:  # keep the newest half, or less where the answer needs the room, indexed afresh
+            self.tokens, self.ends = self.tokens[max(len(self.tokens) // 2, over):], {}
+            self._index(0)
         base = len(self.tokens)
         self.tokens += [*answer, self.END]
-        for end in range(base + self.MIN_NGRAM, base + len(answer)):  # the grams with a continuation
-            for n in range(self.MIN_NGRAM, min(self.max_ngram, end - base) + 1):
-                self.ends[tuple(self.tokens[end - n:end])] = end
+        self._index(base)
+
+    def _index(self, start: int) -> None:
+        """Where each gram of tokens[start:] within one answer ends, those with a continuation in it."""
+        for end in range(start + self.MIN_NGRAM, len(self.tokens)):
+            if self.tokens[end] == self.END:
+                continue
+            for n in range(self.MIN_NGRAM, min(self.max_ngram, end - start) + 1):
+                gram = tuple(self.tokens[end - n:end])
+                if self.END in gram:
+                    break
+                self.ends[gram] = end
 
     def match(self, tokens: list[int]) -> tuple[int, int | None]:
         """(n, where its continuation starts) for the longest tail n-gram of tokens an answer had, else (0, None)."""
@@ -90,15 +99,6 @@ class Answers:
         """Up to k tokens of the answer from `end` on."""
         ahead = self.tokens[end:end + k]
         return ahead[:ahead.index(self.END)] if self.END in ahead else ahead
-
-
-def _runs(tokens: list[int], separator: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each run of tokens that the separator ends."""
-    start = 0
-    for i, t in enumerate(tokens):
-        if t == separator:
-            yield start, i
-            start = i + 1
 
 
 class PromptLookup(Drafter):
