@@ -69,7 +69,8 @@ def make_linear(cfg: Qwen2Config, prefix: str, in_features: int, parts: dict[str
 class Step:
     """What every layer of one forward shares: rotary cos/sin (float32, (B, 1, T, head_dim)), the KV
     cache (None: no cache), the attention mask (None: plain causal), where the new tokens start, and
-    for one new token per row of a padded batch, where each row's keys start (`key_starts`).
+    for a padded batch whose rows' tokens are each one run to the end, where each row's keys start
+    (`key_starts`).
     one_at_a_time: each new token's attention as a one-token step computes it (Qwen2ForCausalLM.forward's
     `exact`)."""
     cos: torch.Tensor
@@ -113,9 +114,30 @@ class TorchOps:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step.cache is not None:
             k, v = step.cache.update(attn.layer_idx, k, v, step.start)  # (B, n_kv, start + T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None and T > 1,
-                                           enable_gqa=n_kv != n_head)
+        if step.key_starts is not None and T > 1:
+            y = TorchOps.rows_alone(q, k, v, step)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.mask is None and T > 1,
+                                               enable_gqa=n_kv != n_head)
         return y.transpose(1, 2).reshape(B, T, n_head * hd)  # (B, T, hidden)
+
+    @staticmethod
+    def rows_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """Attention of a left-padded batch's new tokens (q (B, n_head, T, hd), k and v (B, n_kv, S, hd)), each
+        row over its own keys only, as the row's prompt alone computes it: the attention of one padded call
+        sums over the padding's keys too (weights 0, but another order of sums), so a prompt prefilled in a
+        batch got other bits than alone. The padding's own queries get zeros."""
+        T = q.shape[2]
+        y = q.new_zeros(q.shape)
+        for r, first_key in enumerate(step.key_starts.tolist()):
+            first = max(first_key - step.start, 0)  # the row's first real query in this chunk
+            if first >= T:
+                continue
+            mask = attention_mask(T - first, step.start + first - first_key, None, q.device)  # None: plain causal
+            y[r:r + 1, :, first:] = F.scaled_dot_product_attention(
+                q[r:r + 1, :, first:], k[r:r + 1, :, first_key:], v[r:r + 1, :, first_key:], attn_mask=mask,
+                is_causal=mask is None and T - first > 1, enable_gqa=k.shape[1] != q.shape[1])
+        return y
 
     @staticmethod
     def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
@@ -427,7 +449,7 @@ class Qwen2ForCausalLM(nn.Module):
         """The decoder layers' output (B, T, hidden) for input_ids (B, T) after the cache's tokens."""
         T, start = input_ids.shape[1], cache.length if cache is not None else 0
         step = Step(cos, sin, cache, attention_mask(T, start, key_mask, input_ids.device), start,
-                    key_starts(key_mask[:, :start + 1]) if key_mask is not None and T == 1 else None, one_at_a_time)
+                    key_starts(key_mask[:, :start + T]) if key_mask is not None else None, one_at_a_time)
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
         fused = self.model.fused_layers
         if fused is not None and fused.takes(x, step):

@@ -11,6 +11,7 @@ from qlite import native
 from qlite.decode import Done, Failed, Text
 from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
 from qlite.fused import FusedLayers
+from qlite.generate import left_padded
 from qlite.pipeline import load
 from qlite.speculate import Drafter
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
@@ -80,6 +81,22 @@ def test_prompts_prefilled_together_and_joining_later_are_exact(lm, monkeypatch,
     assert answers == want
     if native.library() is not None:  # the padded batches took the native step, with each row's start
         assert any(B > 1 and starts is not None for B, starts in calls)
+
+
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_a_left_padded_prefill_gives_each_row_its_prompt_alone_bitwise(lm, monkeypatch, kv_bits):
+    """Each row's attention over its own keys (TorchOps.rows_alone): one padded call's sums over the padding's
+    keys too, zero weights but another order, and these prompts' bits differed from alone (0.07 in a logit
+    with the int8 cache, enough to change a greedy token of the test above)."""
+    monkeypatch.setattr(lm.model, "kv_bits", kv_bits)
+    prompts = [lm.prompt_ids(p, chat=False) for p in ("the the he", "in the he in the he in the", "a")]
+    L = max(len(p) for p in prompts)
+    ids, mask, positions = left_padded(prompts, L)
+    with torch.inference_mode():
+        batch = lm.model(ids, lm.model.new_cache(len(prompts), L), positions, mask, last_only=True)[:, -1]
+        for row, p in enumerate(prompts):
+            alone = lm.model(torch.tensor([p]), lm.model.new_cache(1, len(p)), last_only=True)[0, -1]
+            assert torch.equal(batch[row], alone), row
 
 
 def test_bf16_logits_argmax_natively_where_it_can(lm):
