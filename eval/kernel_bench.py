@@ -1,8 +1,7 @@
 """The decoding kernels side by side, one process: for each demo-model shape and row count, qlite's
-integer-activation product (native.gemv_vnni), for int4 its integer-activation matrix product (prefill's,
-native.gemm_int4_product), its bf16-activation product (native.gemv_int4 / gemv_int8) and dequantize +
-bf16 matmul, interleaved call by call so that machine noise hits all
-three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
+integer-activation product (native.gemv_vnni; int4's also prefill's), its bf16-activation product
+(native.gemv_int4 / gemv_int8) and dequantize + bf16 matmul, interleaved call by call so that machine noise
+hits all three alike. Random weights in the demo model's formats (int4-g128 decoder linears, int8 lm_head) and
 in int4-g64 / -g32, int4k-g64 / -g32 and int8-g32 (layouts --target-bpw mixes in).
 --steps DIR instead times greedy decode steps of a checkpoint: its layer modules called one by one
 against the fused step (qlite/fused.py, one native call for all layers), alternating, one process.
@@ -65,7 +64,7 @@ SHAPES_7B = [  # Qwen2.5-7B's decoder linears (q|k|v and gate|up fused, as qlite
 ]
 
 
-NAMES = ("integer x (vnni)", "integer x GEMM (prefill)", "bf16 x", "dequantize + matmul")
+NAMES = ("integer x (vnni)", "bf16 x", "dequantize + matmul")
 
 
 def interleaved(funcs: dict, calls: int) -> dict[str, list[float]]:
@@ -93,11 +92,9 @@ def contenders(stored, fmt) -> dict:
     else:
         funcs = (native.vnni_product(tiled, s, z, None, d), lambda x: native.gemv_int4(x, q, s, z, None, d),
                  lambda x: F.linear(x, native.dequantize_int4(q, s, z, d)))
-    out = dict(zip([n for n in NAMES if n != NAMES[1]], funcs))
+    out = dict(zip(NAMES, funcs))
     if isinstance(fmt, Int4) and fmt.group_size % 64:
         del out["bf16 x"]
-    if z is not None and native.gemm_ready():
-        out[NAMES[1]] = native.gemm_int4_product(tiled, s, z, None, d)
     return out
 
 
@@ -196,18 +193,14 @@ def peak_rates() -> dict[str, float]:
 
 def time_peak(rows: list[int], calls: int, threads: int) -> None:
     """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
-    the rate this CPU's vector units allow the kernel's instruction mix. int4 in lanes (native.int4_lanes):
-    a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure
-    vpdpbusd is its bound. The per-8-input kernel before it: per 128 products of one weight row and one
-    activation row 2 vpdpbusd and 2 float multiplies (the lane scales times the weight scale, then the FMA
-    into the sum), and the measured rates say whether those share units."""
+    the rate this CPU's vector units allow the kernel's instruction mix. int4 in lanes (csrc/lanes.h): a
+    vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure
+    vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are printed too)."""
     if native.isa() != "avx512":
         raise click.ClickException("--peak measures the AVX-512 VNNI kernels: this CPU runs others")
     rates = peak_rates()
     shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
-    per_core = (rates["vpdpbusd + fma"] if shared else rates["vpdpbusd"]) * 1e9 * 128 / (4 if shared else 2)
-    if native.int4_lanes():
-        per_core = rates["vpdpbusd"] * 1e9 * 64
+    per_core = rates["vpdpbusd"] * 1e9 * 64
     print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
           f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
           f"pure vpdpbusd: {threads * rates['vpdpbusd'] * 64:.0f} G multiply-adds/s on {threads} threads, "

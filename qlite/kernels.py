@@ -11,14 +11,12 @@ needs and is called with the activations. backends.py says which kernels a backe
   of sequences), and for more rows (prefill) the weight dequantized to bf16 and bf16 matmuls
   (bucketed_linear; float32 ones on AVX2, which has no bf16 arithmetic). No copy, so memory holds the
   checkpoint's bytes.
-- vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the decoding product quantizes the activations
-  (int8 for int4 weights, int16 for int8 weights, a scale per 8 inputs; AVX-512's int4 product a
-  scale per group of at most 128 inputs, the prefill GEMM's, at every row count: native.int4_lanes)
-  and multiplies in integers,
-  as llama.cpp does (up to VNNI_MAX_ROWS rows per sequence; int8 weights on AVX2 every row count,
-  prefill included): vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd, the same integer products.
-  int4 weights past VNNI_MAX_ROWS rows (prefill): a matrix-matrix product on int8 activations (a scale
-  per row and group of at most 128 inputs, integer sums per group; native.gemm_int4_product).
+- vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the product quantizes the activations and
+  multiplies in integers, as llama.cpp does: int8 weights meet int16 activations (a scale per 8 inputs)
+  up to VNNI_MAX_ROWS rows per sequence (AVX2: every row count, prefill included); int4 weights meet
+  int8 activations (a scale per row and group of at most 128 inputs, integer sums per group) in one
+  product "in lanes" at every row count, decode and prefill (csrc/lanes.h). vpdpbusd / vpdpwssd, or on
+  AVX2 vpmaddubsw / vpmaddwd: the same integer products.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -240,31 +238,27 @@ class VnniInt8(_TiledCodes, _IntegerActivations, NativeInt8):
 
 def dequantized_for_prefill(fmt, in_features: int) -> bool:
     """Whether a prefill dequantizes a quantized layer of this format to bf16 for one matmul (fit.py's
-    scratch): not int4 layers that VnniInt4 runs through the integer-activation GEMM on this CPU."""
-    return not (isinstance(fmt, Int4) and native.gemm_ready()
+    scratch): not int4 layers that VnniInt4 runs through the integer-activation product on this CPU."""
+    return not (isinstance(fmt, Int4) and native.vnni_ready()
                 and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
 
 
 class VnniInt4(_TiledCodes, NativeInt4):
-    """The same for int4 weights, with int8 activations (llama.cpp's numerics, finer blocks); groups
-    of 32 too (NativeInt4's own product needs 64). Past VNNI_MAX_ROWS the matrix-matrix product on integer
-    activations (native.gemm_int4_product) instead of dequantize + matmul: 1.7-3.6x faster from 128 rows
-    at 7B's shapes (BENCHMARKS.md, "Prefill at real sizes"). Both take the codes tiled (native.tile_codes),
-    a copy made at load in place of the file's: the decode product streams them 1.1-1.6x faster so at 7B's
-    shapes (BENCHMARKS.md)."""
+    """The same for int4 weights, with int8 activations (llama.cpp's numerics, a scale per group); groups
+    of 32 too (NativeInt4's own product needs 64). One product at every row count, prefill included (in
+    lanes, csrc/lanes.h): 1.7-3.6x faster than dequantize + matmul from 128 rows at 7B's shapes
+    (BENCHMARKS.md, "Prefill at real sizes"), and each row's result the same at any row count. Codes tiled
+    (native.tile_codes), a copy made at load in place of the file's: the decode product streams them
+    1.1-1.6x faster so at 7B's shapes (BENCHMARKS.md)."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
 
-    def __init__(self, layer):
-        super().__init__(layer)
-        self.gemm = native.gemm_int4_product(**self.stored, bias32=self.product.bias32)
-
     def __call__(self, x):
-        return (self.product if sequence_rows(x) <= native.VNNI_MAX_ROWS else self.gemm)(x).to(x.dtype)
+        return self.product(x).to(x.dtype)
 
     @staticmethod
     def supports(layer) -> bool:
-        return isinstance(layer.fmt, Int4) and _on_cpu(layer) and _vnni_fits(layer) and native.gemm_ready()
+        return isinstance(layer.fmt, Int4) and _on_cpu(layer) and _vnni_fits(layer)
 
 
 class NativeBf16:

@@ -42,7 +42,6 @@ SIGNATURES = {
     "qlite_gemv_int8": [_P, _L, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
-    "qlite_gemm_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_tile_codes": [_P, _P, _L, _L, _I, _I],
     "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _I, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
@@ -251,18 +250,19 @@ def vnni_ready() -> bool:
     return library() is not None and library().qlite_vnni_abi() == 1
 
 
-def int4_lanes() -> bool:
-    """Whether int4 weights' few-row products run in lanes (kernels.c, AVX-512 VNNI): codes tiled 16 rows to a
-    block, activations quantized as the prefill GEMM's (absmax / 127 per span: the group, at most CHUNK inputs),
-    each row's result bitwise the GEMM's at any row count. Elsewhere (AVX2) a scale per 8 inputs."""
-    return vnni_ready() and hasattr(library(), "qlite_int4_lanes")
+def lanes_rows() -> int:
+    """The weight rows of a block of int4 codes in lanes (lanes.h: 16 on AVX-512, 8 on AVX2), the layout of
+    tile_codes for int4; int4 weights meet int8 activations (absmax / 127 per row and span: the group, at most
+    CHUNK inputs) in one product at every row count, each row's result the same at any row count."""
+    _check_rule(vnni_ready(), "no integer-activation kernels")
+    return library().qlite_int4_lanes()
 
 
 def vnni_max_rows() -> int:
-    """Rows per sequence up to which the integer-activation matrix-vector products run (more: int4 layers
-    take the GEMM, gemm_int4_product, on both ISAs; int8 ones dequantize for one matmul): 16 beside
-    AVX-512's bf16 matmuls; every row count beside AVX2's float32 ones, which they beat at any row count
-    (512 rows of the demo's int8 gate_up / down: 1.2-1.6x, BENCHMARKS.md "AVX2 kernels")."""
+    """Rows per sequence up to which int8 weights' integer-activation products run (more: they dequantize for
+    one matmul; int4 weights take their product in lanes at every row count): 16 beside AVX-512's bf16
+    matmuls; every row count beside AVX2's float32 ones, which they beat at any row count (512 rows of the
+    demo's int8 gate_up / down: 1.2-1.6x, BENCHMARKS.md "AVX2 kernels")."""
     return sys.maxsize if _loaded_isa() == "avx2" else VNNI_MAX_ROWS
 
 
@@ -276,7 +276,7 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] or packed int4 codes (uint8) [N, K/2], row-major as stored -> a copy laid out as
     the integer-activation products take them (common.h's int8_tiled / int4_tiled): each block of ROWS rows
     chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream; int4
-    codes where int4_lanes(): blocks of 16 rows, [K / 8][rows][4 bytes]. Same shape, same bytes, another order."""
+    codes in lanes: blocks of lanes_rows() rows, [K / 8][rows][4 bytes]. Same shape, same bytes, another order."""
     int4 = qweight.dtype == torch.uint8
     _check(qweight, torch.uint8 if int4 else torch.int8, (qweight.shape[0], qweight.shape[-1]), "qweight")
     K = qweight.shape[1] * (2 if int4 else 1)
@@ -288,7 +288,7 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
     """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
-    int8 for int4; absmax scale per 8 inputs, or per group for int4 where int4_lanes()) and integer dot
+    int16 per 8 inputs for int8 weights; int8 per span of inputs for int4, lanes_rows) and integer dot
     products: not exact in x (kernels.c). Codes tiled (tile_codes)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
@@ -304,25 +304,6 @@ def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Produc
 def gemv_vnni(x: torch.Tensor, qweight, scales, zeros, bias32, row_scales=None) -> torch.Tensor:
     """vnni_product's, once, for the codes as stored (tiled here)."""
     return vnni_product(tile_codes(qweight), scales, zeros, bias32, row_scales)(x)
-
-
-def gemm_ready() -> bool:
-    """Whether the integer-activation matrix-matrix product (int_gemm.h) was built for this CPU."""
-    return vnni_ready() and hasattr(library(), "qlite_gemm_int4")
-
-
-def gemm_int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
-    """int4_product for many rows (prefill): x quantized to int8 per row and span of inputs (the group, at
-    most CHUNK; absmax / 127), integer products summed per span: not exact in x (int_gemm.h; AVX-512: the int4
-    product in lanes, the same numbers). Codes tiled
-    (tile_codes)."""
-    N, K = qweight.shape[0], 2 * qweight.shape[1]
-    _check_int4(qweight, scales, zeros, row_scales, 32)
-    _check_rule(gemm_ready() and vnni_fits(K, K // scales.shape[1]), f"K {K} in {scales.shape[1]} groups, "
-                f"not whole chunks of {CHUNK} or groups of 32 or 64 (or no integer-activation matrix product)")
-    return Product("qlite_gemm_int4", N, K, (qweight, scales, zeros, row_scales),
-                   (qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), zeros.data_ptr(), scales.shape[1], N, K),
-                   bias32)
 
 
 def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:

@@ -12,14 +12,11 @@
 #define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
 #define CHUNK 128  /* the integer-activation kernels take x and the groups in whole chunks of this many inputs */
 
-/* int4 and int8 codes as the integer-activation products take them (native.tile_codes): the weight's blocks
- * of ROWS rows (the last block: the rows left, nrows) each stored chunk by chunk, the block's rows side by
- * side in each chunk: [K / CHUNK][nrows][CHUNK bytes (int8) or CHUNK / 2 (int4)]. A block's product then
- * reads one sequential stream; the rows of a row-major weight were ROWS streams, which this CPU streamed
- * 0.6-0.9x as fast (BENCHMARKS.md). Weight k of row r of the block at `block`: */
-static inline const uint8_t *int4_tiled(const void *block, int nrows, int r, long k) {
-    return (const uint8_t *)block + ((k / CHUNK) * nrows + r) * (CHUNK / 2) + (k % CHUNK) / 2;
-}
+/* int8 codes as the integer-activation product takes them (native.tile_codes; int4 codes: lanes.h): the
+ * weight's blocks of ROWS rows (the last block: the rows left, nrows) each stored chunk by chunk, the block's
+ * rows side by side in each chunk: [K / CHUNK][nrows][CHUNK bytes]. A block's product then reads one
+ * sequential stream; the rows of a row-major weight were ROWS streams, which this CPU streamed 0.6-0.9x as
+ * fast (BENCHMARKS.md). Weight k of row r of the block at `block`: */
 static inline const int8_t *int8_tiled(const void *block, int nrows, int r, long k) {
     return (const int8_t *)block + ((k / CHUNK) * nrows + r) * CHUNK + k % CHUNK;
 }

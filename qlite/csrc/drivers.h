@@ -4,8 +4,8 @@
  *   int8_rows(x, w, scales, K, G, nrows, out)   x fp32 [K], w int8 [nrows, K], scales fp16 [nrows, G]
  *   int4_rows(xe, xo, xsum, w, scales, zeros, K, G, nrows, out)   xe/xo: one row's even and odd activations
  *                                               as int4_act (to_int4_act of bf16), xsum: its groups' sums
- * (out[r] = the product with weight row r), then includes this. Also the per-block tables of both files'
- * integer-activation products (block_scales). */
+ * (out[r] = the product with weight row r), then includes this. Also int4k's fp16 scales of a block
+ * (block_fp16_scales), which the integer-activation products take too. */
 
 void qlite_gemv_bf16(const uint16_t *x, long M, const uint16_t *w, long N, long K, const float *bias,
                      void *y, int out_bf16, int threads) {
@@ -34,26 +34,6 @@ void qlite_gemv_int8(const uint16_t *x, long M, const int8_t *w, const uint16_t 
         }
     }
     free(xf);
-}
-
-/* the integer-activation products' tables for the nrows weight rows of a block: sw = fp32 weight scales,
- * sz = scale x zero point (int4; zeros NULL for int8: 0) */
-static inline void block_scales(const uint16_t *scales, const uint8_t *zeros, long G, int nrows,
-                                float (*sw)[MAX_GROUPS], float (*sz)[MAX_GROUPS]) {
-    for (int r = 0; r < nrows; r++) {
-        long g = 0;
-        for (; g + 8 <= G; g += 8) {  /* 8 at a time (F16C): int4k-g32's products 1.2-1.3x faster than one by one */
-            __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + r * G + g)));
-            __m256 z = zeros ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zeros + r * G + g))))
-                             : _mm256_setzero_ps();
-            _mm256_storeu_ps(sw[r] + g, s);
-            _mm256_storeu_ps(sz[r] + g, _mm256_mul_ps(s, z));
-        }
-        for (; g < G; g++) {
-            sw[r][g] = _cvtsh_ss(scales[r * G + g]);
-            sz[r][g] = zeros ? sw[r][g] * (float)zeros[r * G + g] : 0.f;
-        }
-    }
 }
 
 /* int4's group scales [nrows, G] of the rows n.. of a block: the fp16 scales [N, G] themselves, or, with

@@ -110,7 +110,7 @@ static inline uint16_t to_int4_act(uint16_t v) { return v; }
  * scales are a vector), so y[m, n] = sum_c sw[g(c)] sum_lanes xs[m, c, lane] dot_lane: the stored weights q sw
  * exactly, times x's integer image. Groups are whole chunks, or 32 or 64 inputs: each of a chunk's 4 vectors
  * of 32 inputs lies in one group (native.py checks). Weights are unpacked once per chunk for XTILE activation
- * rows. int4 weights take their own product ("in lanes", below: activations int8 per group of inputs). */
+ * rows. int4 weights take their own product ("in lanes", lanes.h: activations int8 per group of inputs). */
 #if defined(__AVX512VNNI__)
 #define XTILE 4  /* activation rows per pass over a block of ROWS weight rows */
 #define INTEGER_PRODUCTS  /* decode_step.h calls qlite_gemv_vnni */
@@ -145,93 +145,16 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
         }
 }
 
-/* ---- int4 weights in lanes: their products at every row count (decode, verification, a batch, prefill) -----
- * The int4 product before it (AVX2's int_rows still) kept one dot product in a vector's lanes and paid float
- * work per 8 inputs; from a few rows on, that float work bounded it (BENCHMARKS.md, "the few-row products
- * against this CPU's arithmetic"). For
- * int4 weights the lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4
- * bytes] (a row's 4 bytes: its 8 codes of inputs 8 w .. 8 w + 7 as stored, byte b's low nibble input 8 w + 2 b),
- * and 4 inputs of one activation row broadcast: a vpdpbusd advances LROWS dot products by 4 inputs at any row
- * count, and sums stay integer over a span (the group, at most CHUNK inputs). The activations are int8, absmax /
- * 127 per row and span, and the float steps per block of LKC inputs f = fma(sum, xs ws, f) over its spans from
- * 0, then total + f: the numbers of the GEMM (int_gemm.h, as AVX2 still runs it) that this replaced for
- * prefill, bitwise; and a row's result is the same at any row count (tested), so a verification pass or a
- * batch keeps each row's decode bits. The product is further below; the layout is here, for the drivers. */
-#define INT4_LANES
-int qlite_int4_lanes(void) { return 1; }  /* native.int4_lanes */
+/* ---- int4 weights in lanes (lanes.h): 16 rows a vector, vpdpbusd -------------------------------- */
 #define LROWS 16  /* weight rows per block: a vector's lanes */
 #define LTILE 8  /* activation rows per pass over a block's inputs (8 accumulators, 8 sums in registers) */
-
-/* packed int4 codes [N, K/2] row-major -> the lanes layout (native.tile_codes) */
-static void tile_int4_lanes(const uint8_t *src, uint8_t *dst, long N, long K, int threads) {
-    long words = K / 8, row_bytes = K / 2;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n += LROWS) {
-        long bn = N - n < LROWS ? N - n : LROWS;
-        for (long r = 0; r < bn; r++)
-            for (long i = 0; i < words; i++) memcpy(dst + n * row_bytes + (i * bn + r) * 4, src + (n + r) * row_bytes + i * 4, 4);
-    }
-}
-
-static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                               int threads);
-
-/* one block of nrows int8 weight rows against mrows activation rows; out[r * XTILE + m] (int_driver.h's
- * arguments: int4 is 0 here, xsum, scales and sz unused). small: groups of 32 or 64, several per chunk: each
- * of the 4 vectors' 32 inputs lie in one group, so its dot product is scaled on its own */
-static inline __attribute__((always_inline)) void int_block(
-        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
-        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
-    (void)xsum, (void)scales, (void)sz, (void)int4;
-    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
-    __m512 total[ROWS][XTILE];
-    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
-    for (long g = 0, c = 0; g < G; g += in_chunk)
-    for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        __m512i wv[ROWS][4];  /* 4 vectors of s16 codes */
-        for (int r = 0; r < nrows; r++) {
-            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* tiled (common.h): one stream */
-            _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
-            _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
-            for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
-        }
-        for (int m = 0; m < mrows; m++) {
-            __m512 d = _mm512_loadu_ps(xs + (m * C + c) * 16);
-            __m512i xv[4];
-            for (int i = 0; i < 4; i++) xv[i] = _mm512_loadu_si512((const int16_t *)xq + m * K + c * CHUNK + 32 * i);
-            for (int r = 0; r < nrows; r++) {
-                __m512i dot = _mm512_setzero_si512();
-                if (small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
-                    for (int i = 0; i < 4; i++)
-                        total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, wv[r][i], xv[i])),
-                                                      _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g + i * in_chunk / 4])), total[r][m]);
-                    continue;
-                }
-                for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
-                /* the weight scale as a broadcast memory operand: no register held for it */
-                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g])), total[r][m]);
-            }
-        }
-    }
-    for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = _mm512_reduce_add_ps(total[r][m]);
-}
-
-#include "int_driver.h"
-
-/* ---- int4 weights in lanes (above): the product, for every row count ------------------------------- */
-#define LKC 512  /* inputs per block of float sums: int_gemm.h's KC, so prefill's numbers stay the GEMM's */
-#define LMB 256  /* activation rows quantized and taken at a time */
 #define LGROUP 4  /* blocks a thread takes at a time past 16 rows: each activation block read once for 64 weight rows */
 
 static inline __m512 load16_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs: the 4 even, then the 4 odd, as a lanes word's
- * nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S] (each span's sum of xa). x * (127 / absmax)
- * rounded to nearest even, as int_gemm.h quantizes. */
+/* lanes.h's quantize_lanes_row: one activation row's int8, scales and sums per span */
 static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum) {
     const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     for (long s = 0; s < K / span; s++) {
@@ -256,14 +179,12 @@ static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, 
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
 }
 
-/* total [mt, LROWS] += one block's products with mt activation rows (xa, xd, xsum from the first; row stride K
- * and S) over inputs k0 .. k0 + kc: per span, sum (q - z) xa in integers (- z sum xa first), then
- * f = fma(sum, xs ws, f) over the block's spans from 0, and total + f. swT fp32 / zT int32 [G, LROWS]: the
- * block's weight scales and zero points, a group's for all its rows. */
+/* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows, a vpdpbusd per 4 inputs */
 static inline __attribute__((always_inline)) void lanes_tile(
-        const uint8_t *block, long bn, __mmask16 live, long K, long S, long span, long gsize, long k0, long kc,
+        const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
         const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const __mmask16 live = (__mmask16)((1u << bn) - 1);
     const int split = mt <= 4;  /* two accumulators a row where registers allow: the chain of vpdpbusd halved */
     __m512 f[LTILE];
     for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
@@ -298,93 +219,49 @@ static inline __attribute__((always_inline)) void lanes_tile(
         _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
 }
 
-/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them */
-static void lanes_tables(const void *scales, const uint16_t *row_scales, const uint8_t *zeros, long n, long bn, long G,
-                         uint16_t *room, float *swT, int32_t *zT) {
-    const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, (int)bn, room);  /* int4k: coded scales made fp16 */
-    for (long r = 0; r < LROWS; r++)
-        for (long g = 0; g < G; g++) {
-            swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
-            zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
-        }
-}
+#include "lanes.h"
 
-/* w: int4 codes [N, K/2] in lanes (tile_int4_lanes), zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes
- * under row_scales); y [M, N]. Threads take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
-static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                               int threads) {
-    long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
-    long group = M > 16 ? LGROUP : 1, step = group * LROWS;
-    int8_t *xa = malloc(rows_max * K);
-    float *xd = malloc(sizeof(float) * rows_max * S);
-    int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
-    #pragma omp parallel num_threads(threads)
-    {
-        float *swT = aligned_alloc(64, sizeof(float) * group * G * LROWS);
-        float *total = aligned_alloc(64, sizeof(float) * group * rows_max * LROWS);
-        int32_t *zT = aligned_alloc(64, sizeof(int32_t) * group * G * LROWS);
-        uint16_t *room = malloc(sizeof(uint16_t) * G * LROWS);
-        for (long m0 = 0; m0 < M; m0 += LMB) {
-            long rows = M - m0 < LMB ? M - m0 : LMB;
-            #pragma omp for schedule(static)
-            for (long m = 0; m < rows; m++) quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
-            #pragma omp for schedule(static)
-            for (long n = 0; n < N; n += step) {
-                long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
-                for (long b = 0; b < blocks; b++) {
-                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
-                    lanes_tables(scales, row_scales, zeros, nb, bn, G, room, swT + b * G * LROWS, zT + b * G * LROWS);
+/* one block of nrows int8 weight rows against mrows activation rows; out[r * XTILE + m]. small: groups of 32 or
+ * 64, several per chunk: each of the 4 vectors' 32 inputs lie in one group, so its dot product is scaled on its own */
+static inline __attribute__((always_inline)) void int_block(
+        const int16_t *xq, const float *xs, long K, long G, const int8_t *w, const float (*sw)[MAX_GROUPS], int small,
+        int nrows, int mrows, float *out) {
+    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
+    __m512 total[ROWS][XTILE];
+    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
+    for (long g = 0, c = 0; g < G; g += in_chunk)
+    for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
+        __m512i wv[ROWS][4];  /* 4 vectors of s16 codes */
+        for (int r = 0; r < nrows; r++) {
+            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* tiled (common.h): one stream */
+            _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
+            for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
+        }
+        for (int m = 0; m < mrows; m++) {
+            __m512 d = _mm512_loadu_ps(xs + (m * C + c) * 16);
+            __m512i xv[4];
+            for (int i = 0; i < 4; i++) xv[i] = _mm512_loadu_si512(xq + m * K + c * CHUNK + 32 * i);
+            for (int r = 0; r < nrows; r++) {
+                __m512i dot = _mm512_setzero_si512();
+                if (small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
+                    for (int i = 0; i < 4; i++)
+                        total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, wv[r][i], xv[i])),
+                                                      _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g + i * in_chunk / 4])), total[r][m]);
+                    continue;
                 }
-                memset(total, 0, sizeof(float) * blocks * rows * LROWS);
-                for (long k0 = 0; k0 < K; k0 += LKC)
-                    for (long b = 0; b < blocks; b++) {
-                        long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
-                        const uint8_t *block = (const uint8_t *)w + nb * (K / 2);
-                        __mmask16 live = (__mmask16)((1u << bn) - 1);
-                        for (long mt0 = 0; mt0 < rows; mt0 += LTILE) {
-                            const int8_t *xm = xa + mt0 * K;
-                            const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
-                            const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
-                            float *tm = total + (b * rows + mt0) * LROWS;
-                            #define LANES_TILE(MT) lanes_tile(block, bn, live, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm)
-                            switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
-                            case 1: LANES_TILE(1); break;
-                            case 2: LANES_TILE(2); break;
-                            case 3: LANES_TILE(3); break;
-                            case 4: LANES_TILE(4); break;
-                            case 5: LANES_TILE(5); break;
-                            case 6: LANES_TILE(6); break;
-                            case 7: LANES_TILE(7); break;
-                            default: LANES_TILE(8);
-                            }
-                            #undef LANES_TILE
-                        }
-                    }
-                for (long b = 0; b < blocks; b++) {
-                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
-                    for (long m = 0; m < rows; m++)
-                        for (long r = 0; r < bn; r++)
-                            store(y, out_bf16, (m0 + m) * N + nb + r,
-                                  total[(b * rows + m) * LROWS + r] + (bias ? bias[nb + r] : 0.f));
-                }
+                for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
+                /* the weight scale as a broadcast memory operand: no register held for it */
+                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g])), total[r][m]);
             }
         }
-        free(swT);
-        free(total);
-        free(zT);
-        free(room);
     }
-    free(xa);
-    free(xd);
-    free(xsum);
+    for (int r = 0; r < nrows; r++)
+        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = _mm512_reduce_add_ps(total[r][m]);
 }
 
-/* the prefill product: the same function at every row count (native.gemm_int4_product) */
-void qlite_gemm_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
-    int4_lanes_product(x, M, w, scales, row_scales, zeros, G, N, K, bias, y, out_bf16, threads);
-}
+#include "int_driver.h"
+
 #else
 int qlite_vnni_abi(void) { return 0; }
 #endif

@@ -3,9 +3,10 @@
  * a vector:
  *   bf16, int8 and int4 weights with bf16 activations: each product exact in fp32, fp32 sums;
  *   int4 / int8 weights with integer activations (qlite_gemv_vnni): the activations quantized exactly as
- *     kernels.c quantizes them (the same integers and scales), then vpmaddubsw + vpmaddwd (u8 x s8, int4)
- *     or vpmaddwd (s16 x s16, int8) in place of VNNI's vpdpbusd / vpdpwssd: the same integer dot
- *     products, so the results differ from kernels.c's only in the order of the fp32 sums;
+ *     kernels.c quantizes them (the same integers and scales), then vpmaddubsw + vpmaddwd (u8 x s8, int4
+ *     in lanes: lanes.h) or vpmaddwd (s16 x s16, int8) in place of VNNI's vpdpbusd / vpdpwssd: the same
+ *     integer dot products, so int4's results are kernels.c's bit for bit and int8's differ only in the
+ *     order of the fp32 sums;
  *   dequantization to bf16 (rounded to nearest even) for prefill;
  *   the small ops of a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention, argmax).
  * Built by native.py: cc -O3 -march=x86-64-v3 -fopenmp -shared; without AVX2, abi() says 0. */
@@ -101,37 +102,88 @@ static inline float to_int4_act(uint16_t v) { return bf16_to_f32(v); }
 #include "drivers.h"
 
 
-/* ---- integer activations x int4 / int8 weights -------------------------------------------------
- * kernels.c's scheme and layouts (see there): per chunk of 128 inputs, 16 blocks of 8 inputs, each with its
- * own activation scale xs. Here a 256-bit vector holds 8 of those 16 int32 lanes:
- *   int4: chunk bytes 0..31 of the weights (even k from the low nibbles, odd k from the high) meet xq bytes
- *     0..31 (even) and 64..95 (odd): lanes 0..7 (inputs 0..63); bytes 32..63: lanes 8..15 (inputs 64..127);
- *   int8: inputs 32 t .. 32 t + 15 of each vector t of 32 are lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15.
- * A block's weights are unpacked once per chunk for XTILE activation rows, so many rows of int8 weights (a
- * prefill) run here too, faster than a float32 matmul on the dequantized weights (native.vnni_max_rows);
- * int4 ones take the GEMM below past 16 rows. */
+/* ---- integer activations: int4 weights in lanes (lanes.h), int8 weights with int16 activations ---------
+ * kernels.c's numerics: the same integers from the same activations, so the same int4 results bit for bit
+ * (lanes.h's float steps, lane by lane) and int8 results that differ only in the order of the fp32 sums. */
 
-/* int4's activations: x bf16 [M, K] -> xq int8 [M, K] ([64 even | 64 odd] per chunk), xs fp32 [M, K / CHUNK, 16]
- * (block l: inputs 8 l .. 8 l + 7 of the chunk), xsum fp32 [M, G] (each group's sum of xq xs) */
-static void quantize_activations_int8(const uint16_t *x, long M, long K, long G, int8_t *xq, float *xs, float *xsum) {
-    long C = K / CHUNK, gsize = K / G;
-    for (long i = 0; i < M * G; i++) xsum[i] = 0.f;
-    for (long m = 0; m < M; m++)
-        for (long c = 0; c < C; c++)
-            for (int l = 0; l < 16; l++) {
-                const uint16_t *src = x + m * K + c * CHUNK + 8 * l;
-                float amax = 0.f, sum = 0.f;
-                for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(src[i])));
-                float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax * (1.f / 127.f);
-                for (int i = 0; i < 8; i++) {
-                    float q = fminf(fmaxf(nearbyintf(bf16_to_f32(src[i]) * inv), -127.f), 127.f);
-                    xq[m * K + c * CHUNK + (i % 2 ? 64 : 0) + 4 * l + i / 2] = (int8_t)q;
-                    sum += q;
-                }
-                xs[(m * C + c) * 16 + l] = d;
-                xsum[m * G + (c * CHUNK + 8 * l) / gsize] += sum * d;
-            }
+/* the largest |x| of n bf16 (n a multiple of 8) */
+static inline float absmax_bf16(const uint16_t *p, long n) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (long k = 0; k < n; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16(p + k)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
+
+/* int4 in lanes: 8 weight rows a vector. AVX2 has no vpdpbusd: vpmaddubsw (u8 codes x s8 inputs, pairs to s16)
+ * for the even and the odd inputs of a word, 4 words (32 inputs) summed in s16 (at most 16 * 15 * 127 < 2^15:
+ * exact), then vpmaddwd with ones to s32 lanes: the same integers as vpdpbusd's. */
+#define LROWS 8
+#define LTILE 4  /* activation rows per pass over a block's inputs: 4 s16 and 4 s32 sums in registers */
+#define LGROUP 8  /* blocks a thread takes at a time past 16 rows: each activation block read once for 64 weight rows */
+
+/* lanes.h's quantize_lanes_row: one activation row's int8, scales and sums per span */
+static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum) {
+    const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (long s = 0; s < K / span; s++) {
+        const uint16_t *src = x + s * span;
+        float amax = absmax_bf16(src, span), inv = amax > 0.f ? 127.f / amax : 0.f;
+        xd[s] = amax / 127.f;
+        __m256i sum = _mm256_setzero_si256();
+        for (long k = 0; k < span; k += 8) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(src + k), _mm256_set1_ps(inv)));
+            sum = _mm256_add_epi32(sum, q);
+            q = _mm256_permutevar8x32_epi32(q, even_odd);
+            __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(xa + s * span + k), _mm_packs_epi16(w16, w16));
+        }
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        xsum[s] = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+    }
+}
+
+/* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows */
+static inline __attribute__((always_inline)) void lanes_tile(
+        const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
+        const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)bn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 f[LTILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm256_setzero_ps();
+    for (long s0 = k0; s0 < k0 + kc; s0 += span) {
+        long j = s0 / span, g = s0 / gsize;
+        __m256i acc[LTILE];
+        __m256i zv = _mm256_load_si256((const __m256i *)(zT + g * LROWS));
+        for (int m = 0; m < mt; m++) acc[m] = _mm256_mullo_epi32(zv, _mm256_set1_epi32(-xsum[m * S + j]));
+        for (long k = s0; k < s0 + span; k += 32) {
+            __m256i p[LTILE];
+            for (int m = 0; m < mt; m++) p[m] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *wk = block + (k / 8 + i) * bn * 4;  /* 32 bytes: LROWS rows' 8 codes */
+                if (i % 2 == 0) _mm_prefetch((const char *)wk + TILE_AHEAD, _MM_HINT_T2);
+                __m256i codes = bn == LROWS ? _mm256_loadu_si256((const __m256i *)wk) : _mm256_maskload_epi32((const int *)wk, live);
+                __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+                for (int m = 0; m < mt; m++) {
+                    int32_t even, odd;
+                    memcpy(&even, xa + m * K + k + 8 * i, 4);
+                    memcpy(&odd, xa + m * K + k + 8 * i + 4, 4);
+                    p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(even)));
+                    p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(odd)));
+                }
+            }
+            for (int m = 0; m < mt; m++) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], ones));
+        }
+        __m256 ws = _mm256_load_ps(swT + g * LROWS);
+        for (int m = 0; m < mt; m++)
+            f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(_mm256_set1_ps(xd[m * S + j]), ws), f[m]);
+    }
+    for (int m = 0; m < mt; m++)
+        _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
+}
+
+#include "lanes.h"
 
 /* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs as above; block l: inputs
  * 32 t + 16 (l / 8) + 2 (l % 8) + {0, 1} for t < 4 */
@@ -155,169 +207,53 @@ static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_
 
 #define XTILE 2  /* activation rows per pass over a block's weights: unpacked once, used XTILE times */
 
-/* one block of nrows weight rows against mrows (<= XTILE) activation rows (xq, xs, xsum: row 0's; row m's lie
- * m xstride bytes, m C 16 and m G floats further); out[r][m]. small: groups of 32 or 64 (in_chunk of them per chunk), else whole
- * chunks (per_group per group). Each (r, m) sums in the same order as with one row at a time. */
-static inline __attribute__((always_inline)) void int_rows(
-        const void *xq, long xstride, const float *xs, const float *xsum, long K, long G, const void *w,
-        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows,
-        float (*out)[XTILE]) {
+/* one block of nrows int8 weight rows against mrows (<= XTILE) activation rows; out[r * XTILE + m]. small: groups
+ * of 32 or 64 (in_chunk of them per chunk), else whole chunks (per_group per group). Each (r, m) sums in the same
+ * order as with one row at a time. Per chunk: inputs 32 t .. 32 t + 15 of each vector t of 32 are the
+ * activation scales' lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15 (quantize_activations_int16). */
+static inline __attribute__((always_inline)) void int_block(
+        const int16_t *xq, const float *xs, long K, long G, const int8_t *w, const float (*sw)[MAX_GROUPS], int small,
+        int nrows, int mrows, float *out) {
     long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 total[ROWS][XTILE];
     for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm256_setzero_ps();
     for (long g = 0, c = 0; g < G; g += in_chunk)
     for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        if (int4) {
-            for (int r = 0; r < nrows; r++) {
-                const uint8_t *wr = int4_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
-                _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
-                __m256i b0 = _mm256_loadu_si256((const __m256i *)wr), b1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
-                __m256i lo0 = _mm256_and_si256(b0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
-                __m256i lo1 = _mm256_and_si256(b1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
-                __m256 s0, s1;  /* the weight scale of each lane */
-                if (small && in_chunk == 4) {  /* groups of 32: 4 lanes each */
-                    s0 = _mm256_setr_m128(_mm_set1_ps(sw[r][g]), _mm_set1_ps(sw[r][g + 1]));
-                    s1 = _mm256_setr_m128(_mm_set1_ps(sw[r][g + 2]), _mm_set1_ps(sw[r][g + 3]));
-                } else if (small) {  /* groups of 64: 8 lanes, one vector each */
-                    s0 = _mm256_set1_ps(sw[r][g]), s1 = _mm256_set1_ps(sw[r][g + 1]);
-                } else s0 = s1 = _mm256_set1_ps(sw[r][g]);
+        for (int r = 0; r < nrows; r++) {
+            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
+            _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
+            _mm_prefetch((const char *)(wr + TILE_AHEAD + 64), _MM_HINT_T2);
+            __m256i p[XTILE][2];
+            for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t)));
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16)));
                 for (int m = 0; m < mrows; m++) {
-                    const int8_t *xc = (const int8_t *)xq + m * xstride + c * CHUNK;
-                    const float *d = xs + (m * C + c) * 16;
-                    /* u8 codes x s8 activations, pairs summed to s16 (at most 2 * 2 * 15 * 127: no saturation), then 4 to s32 */
-                    __m256i p0 = _mm256_madd_epi16(_mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo0, _mm256_loadu_si256((const __m256i *)xc)),
-                        _mm256_maddubs_epi16(hi0, _mm256_loadu_si256((const __m256i *)(xc + 64)))), ones);
-                    __m256i p1 = _mm256_madd_epi16(_mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo1, _mm256_loadu_si256((const __m256i *)(xc + 32))),
-                        _mm256_maddubs_epi16(hi1, _mm256_loadu_si256((const __m256i *)(xc + 96)))), ones);
-                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(_mm256_loadu_ps(d), s0), total[r][m]);
-                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s1), total[r][m]);
+                    const int16_t *xc = xq + m * K + c * CHUNK + 32 * t;
+                    __m256i q0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xc));
+                    __m256i q1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
+                    if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
+                        const float *d = xs + (m * C + c) * 16;
+                        __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
+                        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
+                        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
+                    } else p[m][0] = _mm256_add_epi32(p[m][0], q0), p[m][1] = _mm256_add_epi32(p[m][1], q1);
                 }
             }
-        } else {
-            for (int r = 0; r < nrows; r++) {
-                const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
-                _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
-                _mm_prefetch((const char *)(wr + TILE_AHEAD + 64), _MM_HINT_T2);
-                __m256i p[XTILE][2];
-                for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
-                for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
-                    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t)));
-                    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16)));
-                    for (int m = 0; m < mrows; m++) {
-                        const int16_t *xc = (const int16_t *)((const uint8_t *)xq + m * xstride) + c * CHUNK + 32 * t;
-                        __m256i q0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xc));
-                        __m256i q1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
-                        if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
-                            const float *d = xs + (m * C + c) * 16;
-                            __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
-                            total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
-                            total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
-                        } else p[m][0] = _mm256_add_epi32(p[m][0], q0), p[m][1] = _mm256_add_epi32(p[m][1], q1);
-                    }
-                }
-                if (small) continue;
-                __m256 s = _mm256_set1_ps(sw[r][g]);
-                for (int m = 0; m < mrows; m++) {
-                    const float *d = xs + (m * C + c) * 16;
-                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][0]), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
-                    total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][1]), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
-                }
+            if (small) continue;
+            __m256 s = _mm256_set1_ps(sw[r][g]);
+            for (int m = 0; m < mrows; m++) {
+                const float *d = xs + (m * C + c) * 16;
+                total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][0]), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
+                total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][1]), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
             }
         }
     }
-    float corr[ROWS][XTILE];  /* the zero points' term (int4): sum_g sw z xsum, g in order; (r, m) side by side */
-    for (int r = 0; r < nrows; r++) for (int m = 0; m < mrows; m++) corr[r][m] = 0.f;
-    for (long g = 0; int4 && g < G; g++)
-        for (int r = 0; r < nrows; r++) for (int m = 0; m < mrows; m++) corr[r][m] += sz[r][g] * xsum[m * G + g];
     for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) out[r][m] = hsum(total[r][m]) - corr[r][m];
-}
-
-/* the block of int_driver.h: int_rows with the row stride of x's integers and out as [ROWS][XTILE] */
-static inline __attribute__((always_inline)) void int_block(
-        const void *xq, const float *xs, const float *xsum, long K, long G, const void *w, const uint16_t *scales,
-        const float (*sw)[MAX_GROUPS], const float (*sz)[MAX_GROUPS], int int4, int small, int nrows, int mrows, float *out) {
-    (void)scales;  /* the AVX2 products take the fp32 tables alone */
-    int_rows(xq, K * (int4 ? 1 : 2), xs, xsum, K, G, w, sw, sz, int4, small, nrows, mrows, (float (*)[XTILE])out);
+        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = hsum(total[r][m]);
 }
 
 #include "int_driver.h"
-
-/* ---- the prefill product (int_gemm.h): 8 activation rows a vector, vpmaddubsw + vpmaddwd ----------- */
-#define LANES 8
-#define MV 1  /* activation vectors per tile (16 registers: 4 accumulators, 4 steps of x) */
-
-/* 64 int4 weights of one row as int8 q - z in k order (kernels.c's unpack_64_int4) */
-static inline void unpack_64_int4(const uint8_t *w, uint8_t z0, uint8_t z1, int8_t *out, int32_t *sums) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i b = _mm256_loadu_si256((const __m256i *)w);
-    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    /* k order: bytes interleaved lo0 hi0 lo1 hi1 ..., per 128-bit lane, then the lanes put back in order */
-    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
-    __m256i q0 = _mm256_permute2x128_si256(a, c, 0x20), q1 = _mm256_permute2x128_si256(a, c, 0x31);
-    __m256i s0 = _mm256_sad_epu8(q0, _mm256_setzero_si256()), s1 = _mm256_sad_epu8(q1, _mm256_setzero_si256());
-    sums[0] = _mm256_extract_epi64(s0, 0) + _mm256_extract_epi64(s0, 1) + _mm256_extract_epi64(s0, 2) + _mm256_extract_epi64(s0, 3) - 32 * z0;
-    sums[1] = _mm256_extract_epi64(s1, 0) + _mm256_extract_epi64(s1, 1) + _mm256_extract_epi64(s1, 2) + _mm256_extract_epi64(s1, 3) - 32 * z1;
-    _mm256_storeu_si256((__m256i *)out, _mm256_sub_epi8(q0, _mm256_set1_epi8((char)z0)));
-    _mm256_storeu_si256((__m256i *)(out + 32), _mm256_sub_epi8(q1, _mm256_set1_epi8((char)z1)));
-}
-
-/* the largest |x| of n bf16 (n a multiple of 8) */
-static inline float absmax_bf16(const uint16_t *p, long n) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 amax = _mm256_setzero_ps();
-    for (long k = 0; k < n; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16(p + k)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-
-#define QUANTIZE_STEP 8
-/* 8 bf16 -> 128 + round(x inv), as bytes (1..255) */
-static inline void quantize_u8(const uint16_t *p, float inv, uint8_t *out) {
-    __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(p), _mm256_set1_ps(inv))), _mm256_set1_epi32(128));
-    __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w16, w16));
-}
-
-/* acc [ROWS, ...] (row stride Mp) += the products of ROWS weight rows with mv (1) vectors of activation rows
- * (kernels.c's gemm_tile_body). 4 steps of pairs summed in int16 first: at most 4 * 2 * 255 * 15 < 2^15 */
-static void gemm_tile(const uint8_t *xq, const float *xs, long K, long span, long k0, long kc, const int8_t *wq,
-                      const int32_t *wcorr, const float *wsc, int mv, float *acc, long Mp) {
-    (void)mv;
-    long S = K / span, spans = kc / span;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 f[ROWS];
-    for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
-    for (long j = 0; j < spans; j++) {
-        __m256i a[ROWS];
-        for (int r = 0; r < ROWS; r++) a[r] = _mm256_set1_epi32(wcorr[r * spans + j]);
-        const uint8_t *xk = xq + (k0 + j * span) * LANES;
-        const int8_t *wk = wq + j * span;
-        for (long k = 0; k < span; k += 16) {
-            __m256i xv[4];
-            for (int i = 0; i < 4; i++) xv[i] = _mm256_load_si256((const __m256i *)(xk + (k + 4 * i) * LANES));
-            for (int r = 0; r < ROWS; r++) {
-                __m256i p = _mm256_setzero_si256();
-                for (int i = 0; i < 4; i++) {
-                    int32_t word;
-                    memcpy(&word, wk + r * kc + k + 4 * i, 4);
-                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(xv[i], _mm256_set1_epi32(word)));
-                }
-                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(p, ones));
-            }
-        }
-        __m256 d = _mm256_load_ps(xs + (k0 / span + j) * LANES);
-        for (int r = 0; r < ROWS; r++)
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_mul_ps(d, _mm256_set1_ps(wsc[r * spans + j])), f[r]);
-    }
-    for (int r = 0; r < ROWS; r++) _mm256_store_ps(acc + r * Mp, _mm256_add_ps(_mm256_load_ps(acc + r * Mp), f[r]));
-}
-
-#include "int_gemm.h"
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
 /* 16 int8 weights times one scale, as bf16 */

@@ -84,13 +84,13 @@ def test_a_tensor_converted_at_load_counts_its_file_pages_once(ckpt32):
 
 
 def test_the_scratch_is_the_largest_linear_a_prefill_dequantizes(ckpt32, monkeypatch):
-    """int4 layers the integer GEMM takes (gate|up: 128 wide) dequantize nothing; down (192 wide: not whole
-    chunks of 128) is dequantized to bf16. Without the GEMM, gate|up is the largest."""
+    """int4 layers the integer-activation product takes (gate|up: 128 wide) dequantize nothing; down (192
+    wide: not whole chunks of 128) is dequantized to bf16. Without that product, gate|up is the largest."""
     from qlite import native
     ckpt = CheckpointDir(ckpt32[1])
     down, gate_up = 2 * 128 * 192, 2 * 2 * 192 * 128
-    monkeypatch.setattr(native, "gemm_ready", lambda: True)
+    monkeypatch.setattr(native, "vnni_ready", lambda: True)
     assert fit.scratch_bytes(ckpt.config) == down
-    monkeypatch.setattr(native, "gemm_ready", lambda: False)
+    monkeypatch.setattr(native, "vnni_ready", lambda: False)
     assert fit.scratch_bytes(ckpt.config) == gate_up
     assert fit.scratch_bytes(CheckpointDir(ckpt32[0]).config) == 0

@@ -145,7 +145,7 @@ def test_int4_codes_copied_into_tiles_leave_the_mapping(tmp_path):
     load drops the file's pages of them, so that they are not resident twice."""
     from qlite import native
     from qlite.kernels import VnniInt4
-    if not native.gemm_ready():
+    if not native.vnni_ready():
         pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
     src = make_checkpoint(tmp_path / "src", seed=1, hidden_size=512, intermediate_size=1536,
                           num_attention_heads=8, num_key_value_heads=2)

@@ -113,23 +113,18 @@ def test_gemv_int4_matches_dequantized_matmul(group_size, symmetric, rows, n):
     assert rel_err(native.gemv_int4(x, q, s, z, None), want) < 1e-5
 
 
-def int_activations(x: torch.Tensor, int4: bool) -> torch.Tensor:
-    """The image of bf16 rows x (M, K) that gemv_vnni multiplies, computed independently: int4 weights meet
-    int8 x, absmax / 127 per 8 neighbouring inputs; int8 weights meet int16 x, absmax / 32767 per the 8
-    inputs {32 t + 2 l, 32 t + 2 l + 1 : t < 4} of each chunk of 128 (one int32 lane of vpdpwssd)."""
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """The image of bf16 rows x (M, K) that gemv_vnni multiplies by int8 weights, computed independently:
+    int16 x, absmax / 32767 per the 8 inputs {32 t + 2 l, 32 t + 2 l + 1 : t < 4} of each chunk of 128 (one
+    int32 lane of vpdpwssd)."""
     x = x.float()
     M, K = x.shape
-    if int4:
-        blocks, top = x.view(M, K // 8, 8), 127  # (M, blocks, 8)
-    else:
-        blocks, top = x.view(M, K // 128, 4, 16, 2).transpose(2, 3).reshape(M, K // 128, 16, 8), 32767
+    blocks = x.view(M, K // 128, 4, 16, 2).transpose(2, 3).reshape(M, K // 128, 16, 8)
     amax = blocks.abs().amax(-1, keepdim=True)
-    # x * (top / amax), the kernel's float32 ops (torch's scalar / tensor is not the correctly rounded quotient)
-    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
-    image = torch.round(blocks * inverse) * (amax / top)  # round half to even, like the kernel
-    if not int4:
-        image = image.view(M, K // 128, 16, 4, 2).transpose(2, 3)
-    return image.reshape(M, K)
+    # x * (32767 / amax), the kernel's float32 ops (torch's scalar / tensor is not the correctly rounded quotient)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 32767) / amax, torch.zeros_like(amax))
+    image = torch.round(blocks * inverse) * (amax / 32767)  # round half to even, like the kernel
+    return image.view(M, K // 128, 16, 4, 2).transpose(2, 3).reshape(M, K)
 
 
 @pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int4(64), Int4(32), Int8(None), Int8(128),
@@ -147,23 +142,19 @@ def test_gemv_vnni_is_the_product_with_integer_activations(fmt, rows, n):
     w = fmt.dequantize(stored, K)
     int4 = isinstance(fmt, Int4)
     got = native.gemv_vnni(x, stored["qweight"], stored["scales"], stored.get("zeros"), b)
-    spans = int4 and native.int4_lanes()  # AVX-512: int4 weights in lanes, activations quantized as the GEMM's
-    image = gemm_activations(x, min(fmt.group_size, native.CHUNK)) if spans else int_activations(x, int4)
+    image = span_activations(x, min(fmt.group_size, native.CHUNK)) if int4 else int16_activations(x)
     assert rel_err(got, F.linear(image, w, b)) < 2e-5  # its numerics, to fp32 rounding
     exact = F.linear(x.float(), w, b)
     # measured 3-8e-3 (int8 x per 8 inputs; the outlier's block worst), 1-3e-2 (per span), ~1.5e-5 (int16 x)
-    assert rel_err(got, exact) < (5e-2 if spans else 1e-2 if int4 else 5e-5)
-    if spans:  # the same integers and float steps as the GEMM: bitwise its result
-        gemm = native.gemm_int4_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"], b)
-        assert torch.equal(got, gemm(x))
+    assert rel_err(got, exact) < (5e-2 if int4 else 5e-5)
     rows_alone = torch.cat([native.gemv_vnni(x[i:i + 1], stored["qweight"], stored["scales"], stored.get("zeros"), b)
                             for i in range(rows)])
     assert torch.equal(got, rows_alone)  # a row's result never depends on the rows batched with it
 
 
-def gemm_activations(x: torch.Tensor, span: int) -> torch.Tensor:
-    """The image of bf16 rows x (M, K) that gemm_int4 multiplies, computed independently: int8, absmax / 127
-    per row and span of inputs."""
+def span_activations(x: torch.Tensor, span: int) -> torch.Tensor:
+    """The image of bf16 rows x (M, K) that the int4 product multiplies, computed independently: int8, absmax
+    / 127 per row and span of inputs."""
     M, K = x.shape
     blocks = x.float().view(M, K // span, span)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -173,8 +164,8 @@ def gemm_activations(x: torch.Tensor, span: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int4(64), Int4(32), Int4K(32)], ids=str)
 @pytest.mark.parametrize("rows, n, K", [(17, 40, 512), (37, 8, 256), (50, 130, 768)])  # partial tiles of rows and
-def test_gemm_int4_is_the_product_with_integer_activations(fmt, rows, n, K):      # weight rows; K past one block
-    if not native.gemm_ready():
+def test_int4_product_at_prefill_rows_is_the_product_with_integer_activations(fmt, rows, n, K):  # weight rows;
+    if not native.vnni_ready():                                                                 # K past one block
         pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
     stored = fmt.quantize(torch.randn(n, K, generator=gen(0)))
     x = torch.randn(rows, K, generator=gen(1))
@@ -183,31 +174,31 @@ def test_gemm_int4_is_the_product_with_integer_activations(fmt, rows, n, K):    
     b = torch.randn(n, generator=gen(2))
     w = fmt.dequantize(stored, K)
     q = native.tile_codes(stored["qweight"])  # the layout it takes
-    got = native.gemm_int4_product(q, stored["scales"], stored["zeros"], b, stored.get("row_scales"))(x)
+    got = native.vnni_product(q, stored["scales"], stored["zeros"], b, stored.get("row_scales"))(x)
     span = min(fmt.group_size, native.CHUNK)
-    assert rel_err(got, F.linear(gemm_activations(x, span), w, b)) < 2e-5  # its numerics, to fp32 rounding
+    assert rel_err(got, F.linear(span_activations(x, span), w, b)) < 2e-5  # its numerics, to fp32 rounding
     assert rel_err(got, F.linear(x, w, b)) < 5e-2  # measured 1-3e-2: the outlier's span (gemv_vnni's blocks of 8: 3-8e-3)
-    rows_alone = torch.cat([native.gemm_int4_product(q, stored["scales"], stored["zeros"], b,
-                                                     stored.get("row_scales"))(x[i:i + 1]) for i in range(rows)])
+    rows_alone = torch.cat([native.vnni_product(q, stored["scales"], stored["zeros"], b,
+                                                stored.get("row_scales"))(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(got, rows_alone)  # a row's result never depends on the rows batched with it
 
 
-def test_gemm_int4_takes_more_rows_than_one_block():
-    if not native.gemm_ready():
+def test_int4_product_takes_more_rows_than_one_block():
+    if not native.vnni_ready():
         pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
     fmt, K = Int4(128), 256
     stored = fmt.quantize(torch.randn(24, K, generator=gen(0)))
-    x = torch.randn(1100, K, generator=gen(1)).bfloat16()  # blocks of 512 rows: two and a part
-    product = native.gemm_int4_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"])
+    x = torch.randn(1100, K, generator=gen(1)).bfloat16()  # blocks of 256 rows (lanes.h's LMB): four and a part
+    product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"])
     got = product(x)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got[600:700], product(x[600:700]))
-    assert rel_err(got.float(), F.linear(gemm_activations(x, 128), fmt.dequantize(stored, K))) < 1e-2  # bf16 out
+    assert rel_err(got.float(), F.linear(span_activations(x, 128), fmt.dequantize(stored, K))) < 1e-2  # bf16 out
 
 
 @pytest.mark.parametrize("fmt", [Int4(128), Int8(None)], ids=str)
 def test_a_prefill_takes_the_integer_products(isa, fmt):
-    """A prefill's rows: int4 weights past 16 rows go through the integer-activation matrix product (both
+    """A prefill's rows: int4 weights go through the integer-activation product at every row count (both
     ISAs); int8 weights through the matrix-vector product beside AVX2's float32 matmuls (faster at any row
     count; each row exactly as when decoded alone), dequantized for a bf16 matmul beside AVX-512's."""
     from qlite.kernels import VnniInt4, VnniInt8
@@ -222,7 +213,7 @@ def test_a_prefill_takes_the_integer_products(isa, fmt):
     integer = kernel.product(x)
     assert torch.equal(integer[0, 7], kernel.product(x[0, 7:8])[0])
     if isinstance(fmt, Int4):
-        assert torch.equal(kernel(x), kernel.gemm(x)) and torch.equal(kernel(x[:, :16]), integer[:, :16])
+        assert torch.equal(kernel(x), integer)
     else:
         assert torch.equal(kernel(x), integer) == (isa == "avx2")
         assert kernel.max_rows == (native.VNNI_MAX_ROWS if isa == "avx512" else sys.maxsize)
@@ -389,14 +380,12 @@ def test_native_decode_is_as_close_to_float32_as_the_torch_path(native_ckpts, ki
     finally:
         monkeypatch.delenv("QLITE_NATIVE")
         native.library.cache_clear()
-    # measured: 0.78-0.98x the torch path's KLD; int4 with int8 activations (decode steps and the 20-token
-    # prefill's GEMM) 1.9x on this random tiny model with AVX2's scale per 8 inputs in decode, 3.3-3.4x with
-    # AVX-512's per group of inputs (int4_lanes; on the demo model: decode +0.4-0.6% over bf16 activations
-    # per 8 inputs, -0.2% to +1.6% more per group: docs/formats.md)
-    spans = native.int4_lanes()
-    bar = (3.75 if spans else 2.25) if RUNS_ON[kernel][kind] & {"vnni-int4"} else 1.25
+    # measured: 0.78-0.98x the torch path's KLD; int4 with int8 activations per group of inputs (decode steps
+    # and the 20-token prefill) 3.3-3.4x on this random tiny model (on the demo model: -0.2% to +1.6% over a
+    # scale per 8 inputs, docs/formats.md)
+    bar = 3.75 if RUNS_ON[kernel][kind] & {"vnni-int4"} else 1.25
     assert kld(ref, fast) <= bar * kld(ref, slow)
-    assert (fast - slow).abs().max() < (0.07 if spans else 0.05) * ref.abs().max()  # spans: measured 0.051
+    assert (fast - slow).abs().max() < 0.07 * ref.abs().max()  # measured 0.051
 
 
 def greedy_logits(model_dir, prompt_ids, n, dtype="bfloat16", forced=None):
@@ -521,12 +510,11 @@ def test_decode_attention_on_a_quantized_cache_is_attention_over_its_decoded_key
 @pytest.mark.parametrize("int4", [True, False], ids=["int4", "int8"])
 @pytest.mark.parametrize("n", [8, 10, 3, 37])  # whole blocks of ROWS, a partial last block, only a partial one
 def test_tile_codes_puts_each_block_chunk_by_chunk(n, int4):
-    """Blocks of ROWS rows chunk by chunk; int4 codes in lanes (AVX-512): blocks of 16 rows, word by word."""
+    """Blocks of ROWS rows chunk by chunk; int4 codes in lanes: blocks of lanes_rows() rows, word by word."""
     if not native.vnni_ready():
         pytest.skip("no integer-activation kernels")
-    lanes = int4 and native.int4_lanes()
     K = 384
-    rows_per_block, step = (16, 4) if lanes else (native.ROWS, native.CHUNK // 2 if int4 else native.CHUNK)
+    rows_per_block, step = (native.lanes_rows(), 4) if int4 else (native.ROWS, native.CHUNK)
     q = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, generator=gen(0)) if int4 else \
         torch.randint(-128, 128, (n, K), dtype=torch.int8, generator=gen(0))
     tiled, at = native.tile_codes(q).flatten().tolist(), 0

@@ -1,0 +1,119 @@
+/* int4 weights in lanes: their products at every row count (decode, verification, a batch, prefill), the same in
+ * both kernel files (kernels.c: 16 lanes of AVX-512, kernels_avx2.c: 8 of AVX2).
+ * A product that keeps one dot product in a vector's lanes pays float work per 8 inputs; from a few rows on,
+ * that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). Here the
+ * lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4 bytes] (a row's 4
+ * bytes: its 8 codes of inputs 8 w .. 8 w + 7 as stored, byte b's low nibble input 8 w + 2 b), and 4 inputs of
+ * one activation row broadcast: one integer multiply-add (vpdpbusd, or vpmaddubsw on AVX2) advances LROWS dot
+ * products by 4 inputs at any row count, and sums stay integer over a span (the group, at most CHUNK inputs).
+ * The activations are int8, absmax / 127 per row and span, and the float steps per block of LKC inputs are
+ * f = fma(sum, xs ws, f) over its spans from 0, then total + f: the same integers and float steps on both
+ * instruction sets, so the same bits; and a row's result is the same at any row count (tested), so a
+ * verification pass or a batch keeps each row's decode bits.
+ * Each file defines, before including this: LROWS (lanes), LTILE (activation rows per pass over a block's
+ * inputs), LGROUP (blocks a thread takes at a time past 16 rows), and
+ *   quantize_lanes_row(x, K, span, xa, xd, xsum)   one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs:
+ *     the 4 even, then the 4 odd, as a lanes word's nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S]
+ *     (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
+ *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
+ *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
+ *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
+ *     above. swT fp32 / zT int32 [G, LROWS]: the block's weight scales and zero points, a group's for all rows. */
+#define INT4_LANES
+int qlite_int4_lanes(void) { return LROWS; }  /* native.int4_lanes: the rows of a block of the layout */
+#define LKC 512  /* inputs per block of float sums */
+#define LMB 256  /* activation rows quantized and taken at a time */
+
+/* packed int4 codes [N, K/2] row-major -> the lanes layout (native.tile_codes) */
+static void tile_int4_lanes(const uint8_t *src, uint8_t *dst, long N, long K, int threads) {
+    long words = K / 8, row_bytes = K / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n += LROWS) {
+        long bn = N - n < LROWS ? N - n : LROWS;
+        for (long r = 0; r < bn; r++)
+            for (long i = 0; i < words; i++) memcpy(dst + n * row_bytes + (i * bn + r) * 4, src + (n + r) * row_bytes + i * 4, 4);
+    }
+}
+
+/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them */
+static void lanes_tables(const void *scales, const uint16_t *row_scales, const uint8_t *zeros, long n, long bn, long G,
+                         uint16_t *room, float *swT, int32_t *zT) {
+    const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, (int)bn, room);  /* int4k: coded scales made fp16 */
+    for (long r = 0; r < LROWS; r++)
+        for (long g = 0; g < G; g++) {
+            swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
+            zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
+        }
+}
+
+/* w: int4 codes [N, K/2] in lanes (tile_int4_lanes), zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes
+ * under row_scales); y [M, N]. Threads take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
+static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                               int threads) {
+    long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
+    long group = M > 16 ? LGROUP : 1, step = group * LROWS;
+    int8_t *xa = malloc(rows_max * K);
+    float *xd = malloc(sizeof(float) * rows_max * S);
+    int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *swT = aligned_alloc(64, sizeof(float) * group * G * LROWS);
+        float *total = aligned_alloc(64, sizeof(float) * group * rows_max * LROWS);
+        int32_t *zT = aligned_alloc(64, sizeof(int32_t) * group * G * LROWS);
+        uint16_t *room = malloc(sizeof(uint16_t) * G * LROWS);
+        for (long m0 = 0; m0 < M; m0 += LMB) {
+            long rows = M - m0 < LMB ? M - m0 : LMB;
+            #pragma omp for schedule(static)
+            for (long m = 0; m < rows; m++) quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
+            #pragma omp for schedule(static)
+            for (long n = 0; n < N; n += step) {
+                long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
+                for (long b = 0; b < blocks; b++) {
+                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
+                    lanes_tables(scales, row_scales, zeros, nb, bn, G, room, swT + b * G * LROWS, zT + b * G * LROWS);
+                }
+                memset(total, 0, sizeof(float) * blocks * rows * LROWS);
+                for (long k0 = 0; k0 < K; k0 += LKC)
+                    for (long b = 0; b < blocks; b++) {
+                        long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
+                        const uint8_t *block = (const uint8_t *)w + nb * (K / 2);
+                        for (long mt0 = 0; mt0 < rows; mt0 += LTILE) {
+                            const int8_t *xm = xa + mt0 * K;
+                            const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
+                            const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
+                            float *tm = total + (b * rows + mt0) * LROWS;
+                            #define LANES_TILE(MT) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm)
+                            switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
+                            case 1: LANES_TILE(1); break;
+                            case 2: LANES_TILE(2); break;
+                            case 3: LANES_TILE(3); break;
+#if LTILE > 4
+                            case 4: LANES_TILE(4); break;
+                            case 5: LANES_TILE(5); break;
+                            case 6: LANES_TILE(6); break;
+                            case 7: LANES_TILE(7); break;
+#endif
+                            default: LANES_TILE(LTILE);
+                            }
+                            #undef LANES_TILE
+                        }
+                    }
+                for (long b = 0; b < blocks; b++) {
+                    long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
+                    for (long m = 0; m < rows; m++)
+                        for (long r = 0; r < bn; r++)
+                            store(y, out_bf16, (m0 + m) * N + nb + r,
+                                  total[(b * rows + m) * LROWS + r] + (bias ? bias[nb + r] : 0.f));
+                }
+            }
+        }
+        free(swT);
+        free(total);
+        free(zT);
+        free(room);
+    }
+    free(xa);
+    free(xd);
+    free(xsum);
+}
