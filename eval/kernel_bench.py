@@ -15,7 +15,8 @@ through the fused layers and through the layer modules ("/ one step": over the f
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --peak instead measures how close the integer-activation product for a few activation rows (speculation's verify,
 a batched step) comes to this CPU's arithmetic: one core's rate of VNNI multiply-adds and float FMAs (alone and
-interleaved, eval/peak_rate.c), against the product on weights that stay in L2 (int4-g128, 512 x 3584).
+interleaved; AVX2: vpmaddubsw alone and in the product's mix, eval/peak_rate.c), against the product on weights
+that stay in L2 (int4-g128, 512 x 3584).
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
@@ -177,8 +178,9 @@ def time_steps(model_dir, calls: int) -> None:
     print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
 
 
-def peak_rates() -> dict[str, float]:
-    """One core's instructions per ns (eval/peak_rate.c): vpdpbusd zmm, vfmadd231ps zmm, and the two 1:1."""
+def peak_rates(avx2: bool = False) -> dict[str, float]:
+    """One core's instructions per ns (eval/peak_rate.c): vpdpbusd zmm, vfmadd231ps zmm, and the two 1:1; or
+    (avx2) vpmaddubsw ymm alone and in the AVX2 lanes product's mix (a vpbroadcastd and a vpaddw each)."""
     import ctypes
     import tempfile
     compiler = os.environ.get("CC") or "cc"
@@ -186,29 +188,39 @@ def peak_rates() -> dict[str, float]:
         lib = ctypes.CDLL(str(native.build(compiler, Path(__file__).with_name("peak_rate.c"),
                                            ["-mavx512f", "-mavx512vnni"], Path(tmp))))
     lib.qlite_peak_rate.restype, lib.qlite_peak_rate.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long]
-    lib.qlite_peak_rate(2, 2_000_000)  # the clock up
-    return {name: statistics.median(lib.qlite_peak_rate(kind, 4_000_000) for _ in range(5))
-            for kind, name in enumerate(("vpdpbusd", "fma", "vpdpbusd + fma"))}
+    names = ("vpmaddubsw", "lanes mix") if avx2 else ("vpdpbusd", "fma", "vpdpbusd + fma")
+    first = 3 if avx2 else 0
+    lib.qlite_peak_rate(first, 2_000_000)  # the clock up
+    return {name: statistics.median(lib.qlite_peak_rate(first + kind, 4_000_000) for _ in range(5))
+            for kind, name in enumerate(names)}
 
 
 def time_peak(rows: list[int], calls: int, threads: int) -> None:
     """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
     the rate this CPU's vector units allow the kernel's instruction mix. int4 in lanes (csrc/lanes.h): a
     vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure
-    vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are printed too)."""
-    if native.isa() != "avx512":
-        raise click.ClickException("--peak measures the AVX-512 VNNI kernels: this CPU runs others")
-    rates = peak_rates()
-    shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
-    per_core = rates["vpdpbusd"] * 1e9 * 64
-    print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
-          f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
-          f"pure vpdpbusd: {threads * rates['vpdpbusd'] * 64:.0f} G multiply-adds/s on {threads} threads, "
-          f"the product's mix at most {threads * per_core / 1e9:.0f}")
+    vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are printed too); on AVX2 a
+    vpmaddubsw per 8 rows and 4 inputs, each with a broadcast of the inputs and an int16 add: that mix's rate."""
+    if not native.vnni_ready():
+        raise click.ClickException("--peak measures the integer-activation kernels: this CPU has none")
+    if native.isa() == "avx2":  # a vpmaddubsw per 8 weight rows and 4 inputs (32 products), with its mix
+        rates = peak_rates(avx2=True)
+        pure, per_core = rates["vpmaddubsw"] * 1e9 * 32, rates["lanes mix"] * 1e9 * 32
+        print(f"one core: vpmaddubsw ymm {rates['vpmaddubsw']:.2f}/ns alone, {rates['lanes mix']:.2f}/ns each with "
+              f"a vpbroadcastd and a vpaddw (the product's mix); pure vpmaddubsw: {threads * pure / 1e9:.0f} G "
+              f"multiply-adds/s on {threads} threads, the product's mix at most {threads * per_core / 1e9:.0f}")
+    else:
+        rates = peak_rates()
+        shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
+        pure = per_core = rates["vpdpbusd"] * 1e9 * 64
+        print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
+              f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
+              f"pure vpdpbusd: {threads * pure / 1e9:.0f} G multiply-adds/s on {threads} threads, "
+              f"the product's mix at most {threads * per_core / 1e9:.0f}")
     N, K = 512, 3584
     stored = Int4(128).quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
     product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"], None)
-    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of pure vpdpbusd |")
+    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of the pure multiply-adds' |")
     print("|---|---|---|---|---|")
     for M in rows:
         x = torch.randn(M, K).bfloat16()
@@ -217,7 +229,7 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
         ms = statistics.median(interleaved({"p": lambda: [product(x) for _ in range(20)]}, calls)["p"]) / 20
         rate = M * N * K / ms / 1e6  # G per s
         print(f"| {M} | {ms:.3f} | {rate:.0f} | {rate / (threads * per_core / 1e9):.0%} | "
-              f"{rate / (threads * rates['vpdpbusd'] * 64):.0%} |")
+              f"{rate / (threads * pure / 1e9):.0%} |")
 
 
 def time_verify(model_dir, rows: list[int], calls: int) -> None:
@@ -335,7 +347,7 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b", rows: tuple[int
 @click.option("--attention", "attention_context", type=int,
               help="time one layer's decode attention at this many keys instead, bf16 / int8 / int4 KV cache")
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
-@click.option("--peak", is_flag=True, help="the products at --rows rows on weights in L2 against the CPU's VNNI and FMA "
+@click.option("--peak", is_flag=True, help="the products at --rows rows on weights in L2 against the CPU's multiply-add "
                                            "rates instead")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")

@@ -1,7 +1,9 @@
 /* Instruction rates of one core, for eval.kernel_bench --peak: how many AVX-512 VNNI multiply-adds
  * (vpdpbusd zmm, 64 int8 products each) and float FMAs (vfmadd231ps zmm) it retires per nanosecond, alone and
- * interleaved 1:1 (whether they share execution units). 12 independent accumulators hide the latencies.
- * Built with -mavx512f -mavx512vnni; rate() is 0 where the CPU lacks them (the caller checks first). */
+ * interleaved 1:1 (whether they share execution units); on AVX2, vpmaddubsw ymm (32 products) alone and in
+ * the int4 lanes product's mix (each with a vpbroadcastd from memory and a vpaddw, csrc/kernels_avx2.c).
+ * 12 (6 in the mix) independent accumulators hide the latencies. Built with -mavx512f -mavx512vnni; the
+ * caller runs only the kinds the CPU has. */
 #include <immintrin.h>
 #include <time.h>
 
@@ -14,10 +16,26 @@ static double seconds(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, 
 #define CLOBBER "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11", \
                 "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19"
 
-/* instructions per ns: kind 0 vpdpbusd, 1 vfmadd231ps, 2 both in turn (8 + 8 per round) */
+#define UBS(i) "vpmaddubsw %%ymm14, %%ymm15, %%ymm" #i "\n"
+#define LANES(i) "vpbroadcastd %0, %%ymm" #i "\n vpmaddubsw %%ymm" #i ", %%ymm15, %%ymm" #i "\n vpaddw %%ymm" #i \
+                 ", %%ymm1" #i ", %%ymm1" #i "\n"
+#define YCLOBBER "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11", \
+                 "ymm12", "ymm13"
+
+/* instructions per ns: kind 0 vpdpbusd, 1 vfmadd231ps, 2 both in turn (8 + 8 per round); AVX2: 3 vpmaddubsw,
+ * 4 vpmaddubsw in the lanes mix (vpmaddubsw counted) */
 double qlite_peak_rate(int kind, long rounds) {
-    __asm__ volatile("vpxord %%zmm30, %%zmm30, %%zmm30\n vpxord %%zmm31, %%zmm31, %%zmm31" ::: "zmm30", "zmm31");
+    static int word = 0x01010101;
     double t = seconds();
+    if (kind >= 3) {
+        __asm__ volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n vpxor %%ymm15, %%ymm15, %%ymm15" ::: "ymm14", "ymm15");
+        for (long n = 0; n < rounds; n++) {
+            if (kind == 3) __asm__ volatile(TWELVE(UBS) ::: YCLOBBER);
+            else __asm__ volatile(LANES(0) LANES(1) LANES(2) LANES(3) :: "m"(word) : YCLOBBER);
+        }
+        return (kind == 3 ? 12.0 : 4.0) * rounds / (seconds() - t) / 1e9;
+    }
+    __asm__ volatile("vpxord %%zmm30, %%zmm30, %%zmm30\n vpxord %%zmm31, %%zmm31, %%zmm31" ::: "zmm30", "zmm31");
     for (long n = 0; n < rounds; n++) {
         if (kind == 0) __asm__ volatile(TWELVE(DP) ::: CLOBBER);
         else if (kind == 1) __asm__ volatile(TWELVE(FMA) ::: CLOBBER);
