@@ -10,7 +10,7 @@ The parts (all resident at once at the peak, which is the last prefill chunk of 
   kv cache     2 x layers x batch x kv heads x tokens x a token's record (bf16, or kv_quant's int8 / int4)
   activations  one prefill chunk's hidden states, attention and MLP outputs, rotary tables, last logits
   scratch      the larger of: a quantized gate|up or down dequantized to bf16 for a prefill matmul (not int4
-               ones where the integer-activation GEMM runs them), and the file
+               ones where the integer-activation product runs them), and the file
                pages of the largest tensor converted at load (stored in another dtype than the run's)
 """
 from __future__ import annotations

@@ -174,7 +174,7 @@ static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa,
 }
 
 /* acc += the products of x's u8 with b's s8: the intrinsic's copy in and out of each accumulator (GCC 12 did
- * not coalesce them: 2 moves per vpdpbusd) made a GEMM tile 1.x slower */
+ * not coalesce them: 2 moves per vpdpbusd) made a tile 1.x slower */
 static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, __m512i x, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
 }
