@@ -258,6 +258,14 @@ def lanes_rows() -> int:
     return library().qlite_int4_lanes()
 
 
+def int8_in_lanes() -> bool:
+    """Whether int8 weights take the product in lanes too (lanes.h: AVX2), codes in blocks of lanes_rows() rows
+    [K / 2][rows][2 bytes], activations int16 absmax / 32767 per row and span; else (AVX-512) codes tiled by
+    chunks of ROWS rows and int16 activations a scale per 8 inputs (int_driver.h)."""
+    _check_rule(vnni_ready(), "no integer-activation kernels")
+    return library().qlite_int8_lanes() == 1
+
+
 def vnni_max_rows() -> int:
     """Rows per sequence up to which int8 weights' integer-activation products run (more: they dequantize for
     one matmul; int4 weights take their product in lanes at every row count): 16 beside AVX-512's bf16
@@ -274,9 +282,10 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
 
 def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] or packed int4 codes (uint8) [N, K/2], row-major as stored -> a copy laid out as
-    the integer-activation products take them (common.h's int8_tiled / int4_tiled): each block of ROWS rows
-    chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream; int4
-    codes in lanes: blocks of lanes_rows() rows, [K / 8][rows][4 bytes]. Same shape, same bytes, another order."""
+    the integer-activation products take them: int8 codes tiled by chunks (common.h's int8_tiled), each block of
+    ROWS rows chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream;
+    in lanes (lanes.h: int4 codes, and int8 ones where int8_in_lanes()) blocks of lanes_rows() rows, [K / 8][rows]
+    [4 bytes] (int4) or [K / 2][rows][2 bytes] (int8). Same shape, same bytes, another order."""
     int4 = qweight.dtype == torch.uint8
     _check(qweight, torch.uint8 if int4 else torch.int8, (qweight.shape[0], qweight.shape[-1]), "qweight")
     K = qweight.shape[1] * (2 if int4 else 1)
@@ -287,9 +296,9 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
-    """int8_product / int4_product (zeros None for int8) with x quantized first (int16 for int8 weights,
-    int16 per 8 inputs for int8 weights; int8 per span of inputs for int4, lanes_rows) and integer dot
-    products: not exact in x (kernels.c). Codes tiled (tile_codes)."""
+    """int8_product / int4_product (zeros None for int8) with x quantized first (for int8 weights int16, a
+    scale per 8 inputs or, in lanes, per span: int8_in_lanes; for int4 int8 per span of inputs, lanes_rows)
+    and integer dot products: not exact in x (kernels.c). Codes tiled (tile_codes)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_rule(int4 or row_scales is None, "row_scales without zeros (int4k is int4)")

@@ -1,14 +1,12 @@
-/* The integer-activation product's driver, the same in both kernel files (kernels.c, kernels_avx2.c): int4
- * weights go to the product in lanes (lanes.h, included before this); int8 weights meet int16 activations
- * quantized once, then blocks of ROWS weight rows (split over OpenMP threads) against XTILE activation rows at a
- * time. Each file defines, before including this, quantize_activations_int16, XTILE and
+/* The int8 integer-activation product of a kernel file without int8 in lanes (kernels.c; lanes.h, included
+ * after this, calls it): int8 weights tiled by chunks (common.h's int8_tiled) meet int16 activations quantized
+ * once (a scale per 8 inputs), then blocks of ROWS weight rows (split over OpenMP threads) against XTILE
+ * activation rows at a time. The file defines, before including this, quantize_activations_int16, XTILE and
  *   int_block(xq, xs, K, G, w, sw, small, nrows, mrows, out)   out [ROWS * XTILE]
  * (always inline: the constant arguments below specialise it). */
 
-/* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as the products read them: int8
- * as common.h's int8_tiled, int4 in lanes (lanes.h); native.tile_codes */
-void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4, int threads) {
-    if (int4) { tile_int4_lanes(src, dst, N, K, threads); return; }
+/* int8 codes [N, K] row-major, as stored -> common.h's int8_tiled (qlite_tile_codes) */
+static void tile_int8_chunks(const uint8_t *src, uint8_t *dst, long N, long K, int threads) {
     long C = K / CHUNK;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
@@ -29,12 +27,9 @@ static inline void block_scales(const uint16_t *scales, long G, int nrows, float
     }
 }
 
-/* int4: w uint8 [N, K/2] in lanes, zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes under row_scales
- * fp16 [N]; else NULL); int8: w int8 [N, K] tiled (common.h's int8_tiled), zeros and row_scales NULL */
-void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                     int threads) {
-    if (int4) { int4_lanes_product(x, M, w, scales, row_scales, zeros, G, N, K, bias, y, out_bf16, threads); return; }
+/* w int8 [N, K] tiled (common.h's int8_tiled), scales fp16 [N, G]; y [M, N] */
+static void int8_chunks_product(const uint16_t *x, long M, const void *w, const void *scales, long G, long N, long K,
+                                const float *bias, void *y, int out_bf16, int threads) {
     long C = K / CHUNK;
     int small = G > C;  /* groups of 32 or 64 (native.py checks) */
     int16_t *xq = malloc(sizeof(int16_t) * M * K);

@@ -219,8 +219,6 @@ static inline __attribute__((always_inline)) void lanes_tile(
         _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
 }
 
-#include "lanes.h"
-
 /* one block of nrows int8 weight rows against mrows activation rows; out[r * XTILE + m]. small: groups of 32 or
  * 64, several per chunk: each of the 4 vectors' 32 inputs lie in one group, so its dot product is scaled on its own */
 static inline __attribute__((always_inline)) void int_block(
@@ -261,9 +259,15 @@ static inline __attribute__((always_inline)) void int_block(
 }
 
 #include "int_driver.h"
+#include "lanes.h"  /* the entry points: int4 in lanes, int8 through int_driver.h */
 
 #else
 int qlite_vnni_abi(void) { return 0; }
+/* no tiled codes without the integer-activation products (native.tile_codes): dequantize.h's row-major codes */
+static inline const int8_t *tiled_int8_16(const int8_t *w, long N, long K, long n, long k, int8_t *room) {
+    (void)N; (void)room;
+    return w + n * K + k;
+}
 #endif
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */

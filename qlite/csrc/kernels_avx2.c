@@ -2,11 +2,10 @@
  * CPUs, or anywhere with QLITE_NATIVE_ISA=avx2). kernels.c's functions, arguments and layouts, 8 floats
  * a vector:
  *   bf16, int8 and int4 weights with bf16 activations: each product exact in fp32, fp32 sums;
- *   int4 / int8 weights with integer activations (qlite_gemv_vnni): the activations quantized exactly as
- *     kernels.c quantizes them (the same integers and scales), then vpmaddubsw + vpmaddwd (u8 x s8, int4
- *     in lanes: lanes.h) or vpmaddwd (s16 x s16, int8) in place of VNNI's vpdpbusd / vpdpwssd: the same
- *     integer dot products, so int4's results are kernels.c's bit for bit and int8's differ only in the
- *     order of the fp32 sums;
+ *   int4 / int8 weights with integer activations (qlite_gemv_vnni), both in lanes (lanes.h): int4 with the
+ *     activations quantized exactly as kernels.c quantizes them, then vpmaddubsw + vpmaddwd (u8 x s8) in
+ *     place of VNNI's vpdpbusd: the same integers, so kernels.c's results bit for bit; int8 with int16
+ *     activations a scale per span (kernels.c: per 8 inputs), vpmaddwd (s16 x s16);
  *   dequantization to bf16 (rounded to nearest even) for prefill;
  *   the small ops of a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention, argmax).
  * Built by native.py: cc -O3 -march=x86-64-v3 -fopenmp -shared; without AVX2, abi() says 0. */
@@ -102,9 +101,9 @@ static inline float to_int4_act(uint16_t v) { return bf16_to_f32(v); }
 #include "drivers.h"
 
 
-/* ---- integer activations: int4 weights in lanes (lanes.h), int8 weights with int16 activations ---------
- * kernels.c's numerics: the same integers from the same activations, so the same int4 results bit for bit
- * (lanes.h's float steps, lane by lane) and int8 results that differ only in the order of the fp32 sums. */
+/* ---- integer activations: int4 and int8 weights in lanes (lanes.h) --------------------------------------
+ * int4: kernels.c's numerics, the same integers from the same activations, so the same results bit for bit
+ * (lanes.h's float steps, lane by lane); int8: lanes.h's own (int16 activations per span). */
 
 /* the largest |x| of n bf16 (n a multiple of 8) */
 static inline float absmax_bf16(const uint16_t *p, long n) {
@@ -183,77 +182,59 @@ static inline __attribute__((always_inline)) void lanes_tile(
         _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
 }
 
-#include "lanes.h"
+/* int8 in lanes (lanes.h): 8 weight rows a vector as s16, 2 inputs of an activation row (int16) broadcast, a
+ * vpmaddwd per 2 inputs; kernels.c keeps int8 by chunks with a scale per 8 inputs (int_driver.h), whose float
+ * work per 8 inputs and weight row bounded AVX2's few-row products (BENCHMARKS.md). */
+#define INT8_LANES
 
-/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs as above; block l: inputs
- * 32 t + 16 (l / 8) + 2 (l % 8) + {0, 1} for t < 4 */
-static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_t *xq, float *xs) {
-    long C = K / CHUNK;
-    for (long m = 0; m < M; m++)
-        for (long c = 0; c < C; c++)
-            for (int l = 0; l < 16; l++) {
-                long at[8];
-                float amax = 0.f;
-                for (int i = 0; i < 8; i++) {
-                    at[i] = m * K + c * CHUNK + 32 * (i / 2) + 16 * (l / 8) + 2 * (l % 8) + i % 2;
-                    amax = fmaxf(amax, fabsf(bf16_to_f32(x[at[i]])));
-                }
-                float inv = amax > 0.f ? 32767.f / amax : 0.f;
-                for (int i = 0; i < 8; i++)
-                    xq[at[i]] = (int16_t)fminf(fmaxf(nearbyintf(bf16_to_f32(x[at[i]]) * inv), -32767.f), 32767.f);
-                xs[(m * C + c) * 16 + l] = amax * (1.f / 32767.f);
-            }
-}
-
-#define XTILE 2  /* activation rows per pass over a block's weights: unpacked once, used XTILE times */
-
-/* one block of nrows int8 weight rows against mrows (<= XTILE) activation rows; out[r * XTILE + m]. small: groups
- * of 32 or 64 (in_chunk of them per chunk), else whole chunks (per_group per group). Each (r, m) sums in the same
- * order as with one row at a time. Per chunk: inputs 32 t .. 32 t + 15 of each vector t of 32 are the
- * activation scales' lanes 0..7, 32 t + 16 .. 32 t + 31 lanes 8..15 (quantize_activations_int16). */
-static inline __attribute__((always_inline)) void int_block(
-        const int16_t *xq, const float *xs, long K, long G, const int8_t *w, const float (*sw)[MAX_GROUPS], int small,
-        int nrows, int mrows, float *out) {
-    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
-    __m256 total[ROWS][XTILE];
-    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm256_setzero_ps();
-    for (long g = 0, c = 0; g < G; g += in_chunk)
-    for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        for (int r = 0; r < nrows; r++) {
-            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* one stream (common.h) */
-            _mm_prefetch((const char *)(wr + TILE_AHEAD), _MM_HINT_T2);
-            _mm_prefetch((const char *)(wr + TILE_AHEAD + 64), _MM_HINT_T2);
-            __m256i p[XTILE][2];
-            for (int m = 0; m < mrows; m++) p[m][0] = p[m][1] = _mm256_setzero_si256();
-            for (int t = 0; t < 4; t++) {  /* s16 x s16, pairs summed to s32 */
-                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t)));
-                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 32 * t + 16)));
-                for (int m = 0; m < mrows; m++) {
-                    const int16_t *xc = xq + m * K + c * CHUNK + 32 * t;
-                    __m256i q0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xc));
-                    __m256i q1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xc + 16)));
-                    if (small) {  /* vector t's 32 inputs lie in group g + t (groups of 32) or g + t / 2 (64) */
-                        const float *d = xs + (m * C + c) * 16;
-                        __m256 s = _mm256_set1_ps(sw[r][g + t * in_chunk / 4]);
-                        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
-                        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
-                    } else p[m][0] = _mm256_add_epi32(p[m][0], q0), p[m][1] = _mm256_add_epi32(p[m][1], q1);
-                }
-            }
-            if (small) continue;
-            __m256 s = _mm256_set1_ps(sw[r][g]);
-            for (int m = 0; m < mrows; m++) {
-                const float *d = xs + (m * C + c) * 16;
-                total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][0]), _mm256_mul_ps(_mm256_loadu_ps(d), s), total[r][m]);
-                total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[m][1]), _mm256_mul_ps(_mm256_loadu_ps(d + 8), s), total[r][m]);
-            }
+/* lanes.h's quantize_int16_row: one activation row's int16 and scales per span */
+static void quantize_int16_row(const uint16_t *x, long K, long span, int16_t *xq, float *xd) {
+    for (long s = 0; s < K / span; s++) {
+        const uint16_t *src = x + s * span;
+        float amax = absmax_bf16(src, span), inv = amax > 0.f ? 32767.f / amax : 0.f;
+        xd[s] = amax / 32767.f;
+        for (long k = 0; k < span; k += 8) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16(src + k), _mm256_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(xq + s * span + k),
+                             _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
         }
     }
-    for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = hsum(total[r][m]);
 }
 
-#include "int_driver.h"
+/* lanes.h's lanes_tile_int8: total [mt, LROWS] += one block's int8 products with mt int16 activation rows */
+static inline __attribute__((always_inline)) void lanes_tile_int8(
+        const int8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
+        const int16_t *xq, const float *xd, const float *swT, int mt, float *total) {
+    __m256 f[LTILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm256_setzero_ps();
+    for (long s0 = k0; s0 < k0 + kc; s0 += span) {
+        long j = s0 / span, g = s0 / gsize;
+        __m256i acc[LTILE];
+        for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_si256();
+        for (long k = s0; k < s0 + span; k += 8) {  /* a cache line of codes at a time */
+            _mm_prefetch((const char *)(block + k * bn) + TILE_AHEAD, _MM_HINT_T2);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *wk = block + (k + 2 * i) * bn;  /* 16 bytes: LROWS rows' 2 codes */
+                __m128i codes;
+                if (bn == LROWS) codes = _mm_loadu_si128((const __m128i *)wk);
+                else { int8_t room[16] = {0}; memcpy(room, wk, 2 * bn); codes = _mm_loadu_si128((const __m128i *)room); }
+                __m256i w = _mm256_cvtepi8_epi16(codes);
+                for (int m = 0; m < mt; m++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + m * K + k + 2 * i, 4);
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+                }
+            }
+        }
+        __m256 ws = _mm256_load_ps(swT + g * LROWS);
+        for (int m = 0; m < mt; m++)
+            f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(_mm256_set1_ps(xd[m * S + j]), ws), f[m]);
+    }
+    for (int m = 0; m < mt; m++)
+        _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
+}
+
+#include "lanes.h"
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */
 /* 16 int8 weights times one scale, as bf16 */

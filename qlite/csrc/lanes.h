@@ -1,5 +1,6 @@
-/* int4 weights in lanes: their products at every row count (decode, verification, a batch, prefill), the same in
- * both kernel files (kernels.c: 16 lanes of AVX-512, kernels_avx2.c: 8 of AVX2).
+/* int4 weights in lanes (and int8 weights, where the kernel file defines INT8_LANES: AVX2): their products at
+ * every row count (decode, verification, a batch, prefill), the same in both kernel files (kernels.c: 16 lanes
+ * of AVX-512, kernels_avx2.c: 8 of AVX2), and the entry points of the integer-activation products.
  * A product that keeps one dot product in a vector's lanes pays float work per 8 inputs; from a few rows on,
  * that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). Here the
  * lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4 bytes] (a row's 4
@@ -18,20 +19,34 @@
  *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
  *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
- *     above. swT fp32 / zT int32 [G, LROWS]: the block's weight scales and zero points, a group's for all rows. */
-#define INT4_LANES
-int qlite_int4_lanes(void) { return LROWS; }  /* native.int4_lanes: the rows of a block of the layout */
+ *     above. swT fp32 / zT int32 [G, LROWS]: the block's weight scales and zero points, a group's for all rows.
+ * int8 in lanes (INT8_LANES): the codes in blocks of LROWS rows, [K / 2][rows][2 bytes] (a row's codes of inputs
+ * 2 w, 2 w + 1), 2 inputs of an activation row broadcast, one vpmaddwd (s16 x s16, pairs to s32) per 2 inputs of
+ * LROWS rows. The activations are int16, absmax / 32767 per row and span; per span sum q xq in int32 (at most
+ * 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
+ *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
+ *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
+ * Elsewhere (kernels.c) int8 weights take int_driver.h's product: codes tiled by chunks, int16 activations a
+ * scale per 8 inputs, included before this. */
+int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of the layout */
+#ifdef INT8_LANES
+int qlite_int8_lanes(void) { return 1; }  /* native.int8_in_lanes */
+#else
+int qlite_int8_lanes(void) { return 0; }
+#endif
 #define LKC 512  /* inputs per block of float sums */
 #define LMB 256  /* activation rows quantized and taken at a time */
 
-/* packed int4 codes [N, K/2] row-major -> the lanes layout (native.tile_codes) */
-static void tile_int4_lanes(const uint8_t *src, uint8_t *dst, long N, long K, int threads) {
-    long words = K / 8, row_bytes = K / 2;
+/* codes [N, row_bytes] row-major -> the lanes layout, `unit` bytes of a row side by side with the block's others
+ * (int4: 4, int8: 2) */
+static void tile_lanes(const uint8_t *src, uint8_t *dst, long N, long row_bytes, long unit, int threads) {
+    long units = row_bytes / unit;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += LROWS) {
         long bn = N - n < LROWS ? N - n : LROWS;
         for (long r = 0; r < bn; r++)
-            for (long i = 0; i < words; i++) memcpy(dst + n * row_bytes + (i * bn + r) * 4, src + (n + r) * row_bytes + i * 4, 4);
+            for (long i = 0; i < units; i++)
+                memcpy(dst + n * row_bytes + (i * bn + r) * unit, src + (n + r) * row_bytes + i * unit, unit);
     }
 }
 
@@ -42,18 +57,19 @@ static void lanes_tables(const void *scales, const uint16_t *row_scales, const u
     for (long r = 0; r < LROWS; r++)
         for (long g = 0; g < G; g++) {
             swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
-            zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
+            zT[g * LROWS + r] = r < bn && zeros ? zeros[(n + r) * G + g] : 0;  /* int8: no zero points */
         }
 }
 
-/* w: int4 codes [N, K/2] in lanes (tile_int4_lanes), zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes
- * under row_scales); y [M, N]. Threads take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
-static void int4_lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                               const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                               int threads) {
+/* int4: w codes [N, K/2] in lanes, zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes under row_scales);
+ * int8 (INT8_LANES): w codes [N, K] in lanes, scales fp16 [N, G], zeros and row_scales NULL; y [M, N]. Threads
+ * take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
+static void lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                          const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                          int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
-    long group = M > 16 ? LGROUP : 1, step = group * LROWS;
-    int8_t *xa = malloc(rows_max * K);
+    long group = M > 16 ? LGROUP : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
+    int8_t *xa = malloc(rows_max * K * (int4 ? 1 : 2));  /* int16 for int8 weights */
     float *xd = malloc(sizeof(float) * rows_max * S);
     int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
     #pragma omp parallel num_threads(threads)
@@ -65,7 +81,12 @@ static void int4_lanes_product(const uint16_t *x, long M, const void *w, const v
         for (long m0 = 0; m0 < M; m0 += LMB) {
             long rows = M - m0 < LMB ? M - m0 : LMB;
             #pragma omp for schedule(static)
-            for (long m = 0; m < rows; m++) quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
+            for (long m = 0; m < rows; m++) {
+#ifdef INT8_LANES
+                if (!int4) { quantize_int16_row(x + (m0 + m) * K, K, span, (int16_t *)xa + m * K, xd + m * S); continue; }
+#endif
+                quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
+            }
             #pragma omp for schedule(static)
             for (long n = 0; n < N; n += step) {
                 long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
@@ -77,13 +98,18 @@ static void int4_lanes_product(const uint16_t *x, long M, const void *w, const v
                 for (long k0 = 0; k0 < K; k0 += LKC)
                     for (long b = 0; b < blocks; b++) {
                         long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
-                        const uint8_t *block = (const uint8_t *)w + nb * (K / 2);
+                        const uint8_t *block = (const uint8_t *)w + nb * code_bytes;
                         for (long mt0 = 0; mt0 < rows; mt0 += LTILE) {
                             const int8_t *xm = xa + mt0 * K;
                             const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
                             const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
                             float *tm = total + (b * rows + mt0) * LROWS;
+#ifdef INT8_LANES
+                            #define LANES_TILE(MT) do { if (int4) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm); \
+                                else lanes_tile_int8((const int8_t *)block, bn, K, S, span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, dm, sw, MT, tm); } while (0)
+#else
                             #define LANES_TILE(MT) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm)
+#endif
                             switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
                             case 1: LANES_TILE(1); break;
                             case 2: LANES_TILE(2); break;
@@ -116,4 +142,40 @@ static void int4_lanes_product(const uint16_t *x, long M, const void *w, const v
     free(xa);
     free(xd);
     free(xsum);
+}
+
+/* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as the products read them: int4 in
+ * lanes, int8 in lanes (INT8_LANES) or tiled by chunks (int_driver.h); native.tile_codes */
+void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4, int threads) {
+    if (int4) { tile_lanes(src, dst, N, K / 2, 4, threads); return; }
+#ifdef INT8_LANES
+    tile_lanes(src, dst, N, K, 2, threads);
+#else
+    tile_int8_chunks(src, dst, N, K, threads);
+#endif
+}
+
+/* the 16 int8 codes of row n from input k (k % 16 == 0) of codes tiled by qlite_tile_codes: at the returned
+ * pointer (room when they lie apart) */
+static inline const int8_t *tiled_int8_16(const int8_t *w, long N, long K, long n, long k, int8_t *room) {
+#ifdef INT8_LANES
+    long block = n / LROWS * LROWS, bn = N - block < LROWS ? N - block : LROWS;
+    for (long i = 0; i < 8; i++) memcpy(room + 2 * i, w + block * K + ((k / 2 + i) * bn + n - block) * 2, 2);
+    return room;
+#else
+    (void)room;
+    long block = n / ROWS * ROWS;
+    return int8_tiled(w + block * K, N - block < ROWS ? (int)(N - block) : ROWS, (int)(n - block), k);
+#endif
+}
+
+/* x bf16 [M, K] times w: int4 (zeros not NULL: lanes_product) or int8 (zeros and row_scales NULL: lanes_product
+ * with INT8_LANES, else int_driver.h's int8_chunks_product); codes as qlite_tile_codes lays them out */
+void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
+                     const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
+                     int threads) {
+#ifndef INT8_LANES
+    if (!int4) { int8_chunks_product(x, M, w, scales, G, N, K, bias, y, out_bf16, threads); return; }
+#endif
+    lanes_product(x, M, w, scales, row_scales, zeros, int4, G, N, K, bias, y, out_bf16, threads);
 }
