@@ -77,7 +77,8 @@ class Sequence:
         self.params, self.eos, self.constraint, self.logprobs = params, frozenset(eos_ids), shaping.constraint, \
             shaping.logprobs
         self.text = StopText(tokenizer, params.stop) if tokenizer is not None else None
-        self.position, self.token, self.generated = len(prompt) - 1, -1, 0  # after a take: the token to feed, its position
+        # the token to feed next and its position: the prompt's last (its logits give the first token), then each taken
+        self.position, self.token, self.generated = len(prompt) - 1, prompt[-1] if prompt else -1, 0
         self.history, self.failed = list(prompt), False  # prompt and tokens taken
         self.presence, self.frequency = shaping.presence_penalty, shaping.frequency_penalty
         self.bias = self.scored = None

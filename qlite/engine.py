@@ -7,8 +7,9 @@ Each sequence's token, text and end are decode.Sequence's (the step `qlite gener
 its KV rows decode.RowCache's: --max-batch rows of at most --ctx tokens, grown as the rows lengthen, so a
 full server queues (and past --max-queue refuses) but never holds more. One active row alone is kept at
 start 0, so it takes the same path as `qlite generate` (no mask). A finished sequence's keys and values
-go into the prompt cache (prompt_cache.py); a prompt that starts with an entry's tokens is prefilled
-alone, from them.
+go into the prompt cache (prompt_cache.py); prompts that start with an entry's tokens are prefilled
+together from them, and those it holds but for their last token join the rows at once (the next step
+feeds that token).
 
 Speculation (`speculation`, a speculate.Speculation: qlite serve --speculate): a job that asks for it
 (`speculate`) gets its own Speculator (its drafter's state and its stats; the pacer, which learns what
@@ -34,23 +35,40 @@ from .generate import SamplingParams, left_padded
 from .memory import release_freed_memory
 from .prompt_cache import PromptCache
 
-PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (longest) stays within this
+PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (most tokens to prefill) stays within this
+GROUP_CACHE_TOKENS = 4 * PREFILL_TOKENS  # and (group size) x (longest prompt): the group's own cache until it joins
 
 
-def prefill_groups(ready: list[tuple]) -> list[list[tuple]]:
-    """Split (job, ids, max_tokens) in arrival order into groups that prefill as one padded batch:
-    a group grows while its size times its longest prompt stays within PREFILL_TOKENS (so padding
-    and activations stay bounded); a longer prompt goes alone."""
-    groups: list[list[tuple]] = []
-    longest = 0
+@dataclass
+class Ready:
+    """An admitted request: its prompt ids, its token budget, and the longest start of them the prompt cache
+    holds (cached tokens, in `entry`)."""
+    job: "Job"
+    ids: list[int]
+    max_tokens: int
+    cached: int = 0
+    entry: object = None  # prompt_cache.Entry
+
+    @property
+    def rest(self) -> int:  # tokens left to prefill
+        return len(self.ids) - self.cached
+
+
+def prefill_groups(ready: list[Ready]) -> list[list[Ready]]:
+    """Split requests in arrival order into groups that prefill as one padded batch: a group grows while its
+    size times the most tokens one of them has left to prefill stays within PREFILL_TOKENS (so padding and
+    activations stay bounded) and its size times its longest prompt within GROUP_CACHE_TOKENS; a longer
+    prompt goes alone."""
+    groups: list[list[Ready]] = []
+    most = longest = 0
     for item in ready:
-        L = len(item[1])
-        if groups and max(longest, L) * (len(groups[-1]) + 1) <= PREFILL_TOKENS:
+        n = len(groups[-1]) + 1 if groups else 0
+        if groups and n * max(most, item.rest) <= PREFILL_TOKENS and n * max(longest, len(item.ids)) <= GROUP_CACHE_TOKENS:
             groups[-1].append(item)
-            longest = max(longest, L)
+            most, longest = max(most, item.rest), max(longest, len(item.ids))
         else:
             groups.append([item])
-            longest = L
+            most, longest = item.rest, len(item.ids)
     return groups
 
 
@@ -198,8 +216,9 @@ class Engine:
             return self.waiting.popleft() if self.waiting and self._rows_taken() + admitted < self.max_batch else None
 
     def _admit(self) -> None:
-        """Take waiting jobs while rows are free; they prefill in groups (_fill)."""
-        ready: list[tuple[Job, list[int], int]] = []
+        """Take waiting jobs while rows are free; they prefill in groups (_fill): those that start with tokens
+        the prompt cache holds together, from them; the others together."""
+        ready: list[Ready] = []
         while (job := self._next_job(len(ready))) is not None:
             if job.cancelled:
                 continue
@@ -219,37 +238,44 @@ class Engine:
             except Exception as e:  # this request's own failure (its template, its text): never another's
                 job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
                 continue
-            reused = self.prompt_cache.match(ids) if self.prompt_cache is not None else (0, None)
-            job.emit(Start(len(ids), reused[0]))
-            ready.append(((job, ids, job.max_tokens or room), reused))
-        fresh = [item for item, (_, entry) in ready if entry is None]
-        groups = [([item], reused) for item, reused in ready if reused[1] is not None]  # each alone, after its start
-        for group, reused in groups + [(group, None) for group in prefill_groups(fresh)]:
+            cached, entry = self.prompt_cache.match(ids) if self.prompt_cache is not None else (0, None)
+            ready.append(Ready(job, ids, job.max_tokens or room, cached, entry))
+        hits = [item for item in ready if item.entry is not None]
+        for group in prefill_groups(hits) + prefill_groups([item for item in ready if item.entry is None]):
             try:
-                self.filling.append(self._filling(group, reused))
+                self.filling.append(self._filling(group))
             except Exception as e:  # only this group's jobs fail
-                for job, _, _ in group:
-                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                for item in group:
+                    item.job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
 
-    def _filling(self, group: list[tuple[Job, list[int], int]], reused: tuple | None = None) -> Filling:
-        """New sequences as one left-padded batch with its own cache. reused: for a group of one, (m, the
-        prompt cache's entry holding its first m tokens' keys and values)."""
+    def _filling(self, group: list[Ready]) -> Filling:
+        """New sequences as one left-padded batch with its own cache: the columns that every row holds from
+        the prompt cache (or as padding) copied from its entry, the rest for _fill to prefill."""
         model = self.lm.model
-        seqs = [(job, Sequence(ids, replace(job.params, max_new_tokens=max_tokens), self.lm.eos_ids, self.lm.tokenizer,
-                               model.device, model.config.vocab_size, job.shaping))
-                for job, ids, max_tokens in group]
-        n, L = len(group), max(len(ids) for _, ids, _ in group)
-        ids, mask, positions = left_padded([ids for _, ids, _ in group], L, device=model.device)
-        alone, done = model.new_cache(n, L), 0
-        if reused is not None:
-            done, entry = reused
-            alone.k[:, 0, :, :done], alone.v[:, 0, :, :done] = entry.k[:, :, :done], entry.v[:, :, :done]
-            alone.length = done
+        seqs = [(item.job, Sequence(item.ids, replace(item.job.params, max_new_tokens=item.max_tokens), self.lm.eos_ids,
+                                    self.lm.tokenizer, model.device, model.config.vocab_size, item.job.shaping))
+                for item in group]
+        n, L = len(group), max(len(item.ids) for item in group)
+        ids, mask, positions = left_padded([item.ids for item in group], L, device=model.device)
+        alone = model.new_cache(n, L)
+        done = L - max(item.rest for item in group)  # each row's first `cached` tokens, or padding, lie before it
+        for i, item in enumerate(group):
+            first = L - len(item.ids)  # row i's first column
+            taken = max(0, done - first)  # its tokens up to column done, from its entry (at most item.cached)
+            if taken:
+                alone.k[:, i, :, first:done], alone.v[:, i, :, first:done] = item.entry.k[:, :, :taken], \
+                    item.entry.v[:, :, :taken]
+                self.prompt_cache.took(taken)
+        alone.length = done
+        for item in group:
+            item.job.emit(Start(len(item.ids), max(0, done - L + len(item.ids))))
         return Filling(seqs, alone, ids, mask, positions, done)
 
     def _fill(self) -> None:
         """The first filling's next chunk (all of it while no row is decoding); a full one joins the rows and
-        takes its first tokens. A failure is its jobs' alone."""
+        takes its first tokens. A filling with only its last column left (prompts the prompt cache held but
+        for their last token) joins as it is: the next step feeds those tokens as its rows' own, one more
+        row in a pass over the weights instead of a forward of its own. A failure is its jobs' alone."""
         f, model = self.filling[0], self.lm.model
         if all(job.cancelled for job, _ in f.seqs):
             self.filling.popleft()
@@ -258,8 +284,11 @@ class Engine:
         end = min(L, f.done + max(1, self.prefill_chunk // n)) if self.rows and self.prefill_chunk else L
         rows = len(self.rows)
         try:
+            if 0 < f.done == L - 1:
+                self.filling.popleft()
+                return self._join(f, None)
             logits = model(f.ids[:, f.done:end], f.cache, f.positions[:, f.done:end],
-                           None if f.key_mask is None else f.key_mask[:, :end], last_only=True)
+                           None if f.key_mask is None else f.key_mask[:, :end], last_only=True, head=end == L)
             f.done = end
             if end < L:
                 return
@@ -273,10 +302,11 @@ class Engine:
             for job, _ in f.seqs:
                 job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
 
-    def _join(self, f: Filling, logits: torch.Tensor) -> None:
-        """A filled group into the shared cache's rows, with its first tokens."""
+    def _join(self, f: Filling, logits: torch.Tensor | None) -> None:
+        """A filled group into the shared cache's rows, with its first tokens from the logits of its last
+        column (None: not prefilled, the next step feeds it)."""
         seqs = f.seqs
-        self.cache.join(f.cache, f.mask)
+        self.cache.join(f.cache, f.mask[:, :f.cache.length])
         self.rows.extend(seqs)
         if self.speculation is not None:
             from .speculate import Pacer, Speculator
@@ -285,7 +315,8 @@ class Engine:
             for job, _ in seqs:
                 if job.speculate:
                     job.speculator = Speculator(self.speculation.drafter, self.speculation.most, pacer=self.pacer)
-        self._pick(seqs, logits[:, -1])
+        if logits is not None:
+            self._pick(seqs, logits[:, -1])
 
     def _step(self) -> None:
         if len(self.rows) == 1 and self.rows[0][0].speculator is not None:

@@ -415,10 +415,12 @@ class Qwen2ForCausalLM(nn.Module):
         return apply_rope(b, cos[0], sin[0]).mean(dim=2).contiguous()  # (layers, n_kv, head_dim)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None, last_only: bool = False, exact: bool = False) -> torch.Tensor:
+                key_mask: torch.Tensor | None = None, last_only: bool = False, exact: bool = False,
+                head: bool = True) -> torch.Tensor | None:
         """Logits (B, T or 1, vocab) for input_ids (B, T), appended to `cache` if given (then in
         forwards of at most prefill_chunk tokens). key_mask (B, cache.length + T), True for real tokens,
-        is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1.
+        is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1. head=False:
+        the cache filled, no logits (None): a prompt's chunks before its last.
         exact (unpadded rows, a cache, T <= native.MAX_ROWS): every logit bitwise what T one-token forwards
         give, where the products are row-exact (the native ones): rotary angles and attention token by
         token, as a step computes them; the products over all T rows at once (speculative decoding's
@@ -440,7 +442,9 @@ class Qwen2ForCausalLM(nn.Module):
         for a in range(0, T, chunk):
             x = self.hidden_states(input_ids[:, a:a + chunk], cos[:, :, a:a + chunk], sin[:, :, a:a + chunk], cache,
                                    None if key_mask is None else key_mask[:, :start + a + chunk], exact)  # (B, chunk, hidden)
-            kept += [] if last_only else [x]
+            kept += [] if last_only or not head else [x]
+        if not head:
+            return None
         x = x[:, -1:] if last_only else torch.cat(kept, dim=1)  # (B, T or 1, hidden)
         return self.lm_head(self.model.norm(x))
 

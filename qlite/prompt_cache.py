@@ -3,8 +3,9 @@ that begins with the same tokens (the next turn of a chat, which re-sends the hi
 prompt) starts from them and prefills only the rest (vLLM's automatic prefix caching, llama-server's
 prompt cache). Least recently used entries go first past a byte budget; an entry that a longer one
 extends is dropped for it. The reused keys and values are the very ones the first prefill computed;
-the rest of the prompt is prefilled after them in one forward, whose products run over fewer rows than
-a whole prefill's, so logits can differ from an uncached prefill's in their last bits."""
+the rest of the prompt is prefilled after them (with other prompts that arrived with it: engine.py),
+whose products run over fewer rows than a whole prefill's, so logits can differ from an uncached
+prefill's in their last bits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,8 +52,11 @@ class PromptCache:
             return 0, None
         self.entries.remove(found)
         self.entries.append(found)  # most recently used
-        self.hits, self.reused_tokens = self.hits + 1, self.reused_tokens + best
         return best, found
+
+    def took(self, n: int) -> None:
+        """A prompt took its first n tokens' keys and values from a match (its group's may take fewer)."""
+        self.hits, self.reused_tokens = self.hits + 1, self.reused_tokens + n
 
     def _drop(self, e: Entry) -> None:
         self.entries.remove(e)

@@ -9,7 +9,7 @@ import torch
 
 from qlite import native
 from qlite.decode import Done, Failed, Text
-from qlite.engine import PREFILL_TOKENS, Engine, Job, prefill_groups
+from qlite.engine import GROUP_CACHE_TOKENS, PREFILL_TOKENS, Engine, Job, Ready, prefill_groups
 from qlite.fused import FusedLayers
 from qlite.generate import left_padded
 from qlite.pipeline import load
@@ -20,15 +20,19 @@ PROMPTS = ["the", "he in the a", "a", "the the he", "in the he in the he in the"
            "in in", "the a the a the", "he he"]
 
 
-def test_prefill_groups_stay_within_the_token_bound():
-    def item(n):
-        return (None, [0] * n, 1)
+def test_prefill_groups_stay_within_the_token_bounds():
+    def item(n, cached=0):
+        return Ready(None, [0] * n, 1, cached)
     lengths = [10, 30, 20, PREFILL_TOKENS // 2, PREFILL_TOKENS // 2, PREFILL_TOKENS + 5, 7]
     groups = prefill_groups([item(n) for n in lengths])
-    assert [[len(ids) for _, ids, _ in g] for g in groups] == [
+    assert [[len(r.ids) for r in g] for g in groups] == [
         [10, 30, 20], [PREFILL_TOKENS // 2, PREFILL_TOKENS // 2], [PREFILL_TOKENS + 5], [7]]
-    assert all(len(g) == 1 or len(g) * max(len(ids) for _, ids, _ in g) <= PREFILL_TOKENS for g in groups)
+    assert all(len(g) == 1 or len(g) * max(len(r.ids) for r in g) <= PREFILL_TOKENS for g in groups)
     assert prefill_groups([]) == []
+    # prompts the prompt cache mostly holds: bounded by what they prefill, and by their own cache
+    long = GROUP_CACHE_TOKENS // 4
+    groups = prefill_groups([item(long, long - 1) for _ in range(6)] + [item(long, long - 700)])  # 3 x 700 > 2048
+    assert [len(g) for g in groups] == [4, 2, 1]
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +249,8 @@ def test_the_kv_cache_grows_as_rows_lengthen(lm, monkeypatch):
 def test_a_long_prompt_joining_running_streams_is_prefilled_a_chunk_between_their_steps(lm, padded):
     """While a stream decodes, a long prompt (alone, or with a short one: a left-padded group) is
     prefilled prefill_chunk tokens at a time with the stream's steps between the chunks: the stream
-    takes a step after every chunk but the last, and every answer is its answer alone."""
+    takes a step after every chunk but the last, only the last goes through the head, and every answer
+    is its answer alone."""
     running, long_prompt, short = "the the he", " ".join(["in the he a"] * 24), "a the"
     joiners = [long_prompt, short] if padded else [long_prompt]
     want = {p: lm.generate(p, chat=False, max_new_tokens=n)
@@ -266,10 +271,11 @@ def test_a_long_prompt_joining_running_streams_is_prefilled_a_chunk_between_thei
                    max_tokens=max_tokens)
 
     engine = Engine(lm, max_batch=4, ctx=256, prefill_chunk=16, prompt_cache_bytes=0)
-    forward, calls = type(lm.model).forward, []
+    forward, calls, heads = type(lm.model).forward, [], []
 
     def counting(self, ids, *args, **kwargs):
         calls.append(tuple(ids.shape))  # (rows, tokens)
+        heads.append(kwargs.get("head", True))
         return forward(self, ids, *args, **kwargs)
 
     engine.submit(job(running, 60))
@@ -291,3 +297,4 @@ def test_a_long_prompt_joining_running_streams_is_prefilled_a_chunk_between_thei
     chunks = [i for i, (_, T) in enumerate(calls) if T > 1]
     assert len(chunks) == -(-long_len // width) and all(calls[i] == (rows, width) for i in chunks[:-1])
     assert all(calls[i + 1] == (1, 1) for i in chunks[:-1])  # the running row's step between two chunks
+    assert [heads[i] for i in chunks] == [False] * (len(chunks) - 1) + [True]  # logits of the last chunk alone

@@ -88,7 +88,12 @@ def test_a_prompt_goes_into_the_cache_in_chunks(tiny_ckpt, monkeypatch):
         model.prefill_chunk = 5
         chunked = model(ids, chunked_cache, key_mask=key_mask)
         last = model(ids, model.new_cache(2, 23), key_mask=key_mask, last_only=True)
-    assert seen == [23, 5, 5, 5, 5, 3] + [5, 5, 5, 5, 3]
+        heads = []
+        monkeypatch.setattr(model.lm_head, "forward", lambda x, f=model.lm_head.forward: heads.append(x.shape) or f(x))
+        filled = model.new_cache(2, 23)
+        assert model(ids, filled, key_mask=key_mask, head=False) is None and heads == []  # the cache alone
+    assert (filled.k - chunked_cache.k).abs().max() == 0 and filled.length == 23
+    assert seen == [23, 5, 5, 5, 5, 3] + [5, 5, 5, 5, 3] + [5, 5, 5, 5, 3]
     assert (chunked - whole).abs().max() <= 1e-5 and (last - chunked[:, -1:]).abs().max() <= 1e-5
     assert (chunked_cache.k - whole_cache.k).abs().max() <= 1e-5 and chunked_cache.length == 23
     params = SamplingParams(max_new_tokens=8)
