@@ -69,6 +69,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                           int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
     long group = M > 16 ? LGROUP : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
+    long share = (N + step - 1) / step / (8 * threads) + 1;  /* iterations a thread takes at a time */
     int8_t *xa = malloc(rows_max * K * (int4 ? 1 : 2));  /* int16 for int8 weights */
     float *xd = malloc(sizeof(float) * rows_max * S);
     int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
@@ -87,7 +88,9 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
 #endif
                 quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
             }
-            #pragma omp for schedule(static)
+            /* runs of blocks taken as threads come free, 8 a thread on average: where another process takes a
+             * core for a while, the other threads take its share instead of waiting for it at the end */
+            #pragma omp for schedule(dynamic, share)
             for (long n = 0; n < N; n += step) {
                 long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
                 for (long b = 0; b < blocks; b++) {
