@@ -119,7 +119,9 @@ static inline float absmax_bf16(const uint16_t *p, long n) {
  * for the even and the odd inputs of a word, 4 words (32 inputs) summed in s16 (at most 16 * 15 * 127 < 2^15:
  * exact), then vpmaddwd with ones to s32 lanes: the same integers as vpdpbusd's. */
 #define LROWS 8
-#define LTILE 4  /* activation rows per pass over a block's inputs: 4 s16 and 4 s32 sums in registers */
+#define LTILE 8  /* activation rows per pass over a block's inputs: int8 8 s32 sums in registers, int4 4 at a time (4 s16
+                  * and 4 s32 sums): measured 1.4-1.6x and 0.93-0.96x as fast as 4 at a time for int8, 8 for int4 */
+#define INT4_TILE 4
 #define LGROUP 8  /* blocks a thread takes at a time past 16 rows: each activation block read once for 64 weight rows */
 
 /* lanes.h's quantize_lanes_row: one activation row's int8, scales and sums per span */
@@ -143,21 +145,21 @@ static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa,
     }
 }
 
-/* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows */
-static inline __attribute__((always_inline)) void lanes_tile(
+/* lanes_tile for mt <= INT4_TILE rows */
+static inline __attribute__((always_inline)) void lanes_tile_part(
         const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
         const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)bn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256 f[LTILE];
+    __m256 f[INT4_TILE];
     for (int m = 0; m < mt; m++) f[m] = _mm256_setzero_ps();
     for (long s0 = k0; s0 < k0 + kc; s0 += span) {
         long j = s0 / span, g = s0 / gsize;
-        __m256i acc[LTILE];
+        __m256i acc[INT4_TILE];
         __m256i zv = _mm256_load_si256((const __m256i *)(zT + g * LROWS));
         for (int m = 0; m < mt; m++) acc[m] = _mm256_mullo_epi32(zv, _mm256_set1_epi32(-xsum[m * S + j]));
         for (long k = s0; k < s0 + span; k += 32) {
-            __m256i p[LTILE];
+            __m256i p[INT4_TILE];
             for (int m = 0; m < mt; m++) p[m] = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const uint8_t *wk = block + (k / 8 + i) * bn * 4;  /* 32 bytes: LROWS rows' 8 codes */
@@ -180,6 +182,15 @@ static inline __attribute__((always_inline)) void lanes_tile(
     }
     for (int m = 0; m < mt; m++)
         _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
+}
+
+/* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows, INT4_TILE at a time */
+static inline __attribute__((always_inline)) void lanes_tile(
+        const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
+        const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
+    for (int m0 = 0; m0 < mt; m0 += INT4_TILE)
+        lanes_tile_part(block, bn, K, S, span, gsize, k0, kc, xa + m0 * K, xd + m0 * S, xsum + m0 * S, swT, zT,
+                        mt - m0 < INT4_TILE ? mt - m0 : INT4_TILE, total + m0 * LROWS);
 }
 
 /* int8 in lanes (lanes.h): 8 weight rows a vector as s16, 2 inputs of an activation row (int16) broadcast, a
