@@ -179,6 +179,12 @@ static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, 
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
 }
 
+/* lanes.h's tables_in_vectors: none (lanes_tables builds them all) */
+static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
+    (void)sn; (void)zn; (void)bn; (void)G; (void)swT; (void)zT;
+    return 0;
+}
+
 /* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows, a vpdpbusd per 4 inputs */
 static inline __attribute__((always_inline)) void lanes_tile(
         const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,

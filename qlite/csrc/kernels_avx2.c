@@ -145,6 +145,47 @@ static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa,
     }
 }
 
+/* the 8 x 8 floats of v, transposed */
+static inline void transpose8(__m256 *v) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* lanes.h's tables_in_vectors: a whole block's scales (and zero points) 8 groups at a time, transposed */
+static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
+    if (bn != LROWS)
+        return 0;
+    long g = 0;
+    for (; g + 8 <= G; g += 8) {
+        __m256 s[8], z[8];
+        for (int r = 0; r < 8; r++) {
+            s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
+            z[r] = zn ? _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))))
+                      : _mm256_setzero_ps();
+        }
+        transpose8(s);
+        transpose8(z);
+        for (int i = 0; i < 8; i++) {
+            _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
+            _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
+        }
+    }
+    return g;
+}
+
 /* lanes_tile for mt <= INT4_TILE rows */
 static inline __attribute__((always_inline)) void lanes_tile_part(
         const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,

@@ -16,6 +16,8 @@
  *   quantize_lanes_row(x, K, span, xa, xd, xsum)   one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs:
  *     the 4 even, then the 4 odd, as a lanes word's nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S]
  *     (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
+ *   tables_in_vectors(sn, zn, bn, G, swT, zT)   the first groups (returned: how many) of the tables lanes_tables
+ *     builds from a block's scales sn fp16 [bn, G] and zero points zn uint8 [bn, G] (NULL: none), or 0;
  *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
  *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
@@ -50,12 +52,14 @@ static void tile_lanes(const uint8_t *src, uint8_t *dst, long N, long row_bytes,
     }
 }
 
-/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them */
+/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them; the file's
+ * tables_in_vectors does the groups it can (a transpose), the rest here */
 static void lanes_tables(const void *scales, const uint16_t *row_scales, const uint8_t *zeros, long n, long bn, long G,
                          uint16_t *room, float *swT, int32_t *zT) {
     const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, (int)bn, room);  /* int4k: coded scales made fp16 */
+    long done = tables_in_vectors(sn, zeros ? zeros + n * G : NULL, bn, G, swT, zT);
     for (long r = 0; r < LROWS; r++)
-        for (long g = 0; g < G; g++) {
+        for (long g = done; g < G; g++) {
             swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
             zT[g * LROWS + r] = r < bn && zeros ? zeros[(n + r) * G + g] : 0;  /* int8: no zero points */
         }
