@@ -259,6 +259,7 @@ class Engine:
         ids, mask, positions = left_padded([item.ids for item in group], L, device=model.device)
         alone = model.new_cache(n, L)
         done = L - max(item.rest for item in group)  # each row's first `cached` tokens, or padding, lie before it
+        alone.length = done
         for i, item in enumerate(group):
             first = L - len(item.ids)  # row i's first column
             taken = max(0, done - first)  # its tokens up to column done, from its entry (at most item.cached)
@@ -266,9 +267,7 @@ class Engine:
                 alone.k[:, i, :, first:done], alone.v[:, i, :, first:done] = item.entry.k[:, :, :taken], \
                     item.entry.v[:, :, :taken]
                 self.prompt_cache.took(taken)
-        alone.length = done
-        for item in group:
-            item.job.emit(Start(len(item.ids), max(0, done - L + len(item.ids))))
+            item.job.emit(Start(len(item.ids), taken))
         return Filling(seqs, alone, ids, mask, positions, done)
 
     def _fill(self) -> None:
