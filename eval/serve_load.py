@@ -390,7 +390,7 @@ def loads(servers: list[tuple], clients: str, requests: int, max_tokens: int, ti
         server, _, port, _ = servers[0]
         t0 = time.perf_counter()
         tally = soak(port, server.pid, requests)
-        time.sleep(1.0)
+        time.sleep(2.0)  # the engine gives freed memory back once idle for IDLE_RELEASE_S
         after = rss_mib(server.pid)
         state = health(port)
         lines = [f"soak: {requests} requests from 8 clients in {time.perf_counter() - t0:.0f} s: "

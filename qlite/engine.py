@@ -35,6 +35,8 @@ from .generate import SamplingParams, left_padded
 from .memory import release_freed_memory
 from .prompt_cache import PromptCache
 
+IDLE_RELEASE_S = 0.5  # idle this long, the engine hands freed memory back (release_freed_memory): not at once,
+# where its GC held the GIL ~0.2 s just as the answer's last chunk was to go out (the demo model, Zen 3)
 PREFILL_TOKENS = 2048  # new prompts prefill together while (group size) x (most tokens to prefill) stays within this
 GROUP_CACHE_TOKENS = 4 * PREFILL_TOKENS  # and (group size) x (longest prompt): the group's own cache until it joins
 
@@ -180,16 +182,26 @@ class Engine:
                                      "reused_tokens": cache.reused_tokens}} if cache is not None else {})}
 
     # --- the engine thread ---
+    def _idle(self) -> bool:
+        return not self.stopping and not self.waiting and not self.rows and not self.filling
+
     def _run(self) -> None:
         with torch.inference_mode():
+            released = False
             while True:
                 with self.wake:
-                    if not self.stopping and not self.waiting and not self.rows and not self.filling:
-                        release_freed_memory()  # idle: the heap that requests used goes back to the OS
-                    while not self.stopping and not self.waiting and not self.rows and not self.filling:
+                    if self._idle() and not released:  # a moment first: a request that follows at once does not wait
+                        self.wake.wait(IDLE_RELEASE_S)
+                    release = self._idle() and not released
+                    while not release and self._idle():
                         self.wake.wait()
                     if self.stopping:
                         break
+                if release:  # idle a while: the heap that loading and requests used goes back to the OS
+                    release_freed_memory()  # a full GC (~0.2 s holding the GIL on the demo model), off the lock
+                    released = True
+                    continue
+                released = False
                 try:
                     self._admit()
                     if self.filling:

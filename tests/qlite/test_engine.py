@@ -298,3 +298,32 @@ def test_a_long_prompt_joining_running_streams_is_prefilled_a_chunk_between_thei
     assert len(chunks) == -(-long_len // width) and all(calls[i] == (rows, width) for i in chunks[:-1])
     assert all(calls[i + 1] == (1, 1) for i in chunks[:-1])  # the running row's step between two chunks
     assert [heads[i] for i in chunks] == [False] * (len(chunks) - 1) + [True]  # logits of the last chunk alone
+
+
+def test_freed_memory_goes_back_once_the_engine_has_been_idle_a_while(lm, monkeypatch):
+    """The idle engine hands freed memory back (a full GC, ~0.2 s holding the GIL on the demo model) only
+    after IDLE_RELEASE_S without work, once per idle spell: not as a request's last events go out, nor
+    between a request and one that follows at once."""
+    from qlite import engine as engine_module
+    released = []
+    monkeypatch.setattr(engine_module, "release_freed_memory", lambda: released.append(time.monotonic()))
+    monkeypatch.setattr(engine_module, "IDLE_RELEASE_S", 0.3)
+    def until(n):
+        deadline = time.monotonic() + 30
+        while len(released) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(released)
+
+    engine = Engine(lm, max_batch=2, ctx=64).start()
+    try:
+        assert until(1) == 1  # what loading freed, once the engine has sat idle
+        answers = {}
+        assert submit(engine, lm, "the he", 4, answers).wait(60)
+        done = time.monotonic()
+        assert submit(engine, lm, "he in", 4, answers).wait(60)  # at once: no release between the two
+        assert len(released) == 1
+        assert until(2) == 2 and released[1] - done >= 0.3
+        time.sleep(0.5)
+        assert len(released) == 2  # once per idle spell
+    finally:
+        engine.stop()
