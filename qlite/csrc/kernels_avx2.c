@@ -171,17 +171,15 @@ static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long
     long g = 0;
     for (; g + 8 <= G; g += 8) {
         __m256 s[8], z[8];
-        for (int r = 0; r < 8; r++) {
-            s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
-            z[r] = zn ? _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))))
-                      : _mm256_setzero_ps();
-        }
+        for (int r = 0; r < 8; r++) s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
         transpose8(s);
+        for (int i = 0; i < 8; i++) _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
+        if (!zn)
+            continue;
+        for (int r = 0; r < 8; r++)
+            z[r] = _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))));
         transpose8(z);
-        for (int i = 0; i < 8; i++) {
-            _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
-            _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
-        }
+        for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
     }
     return g;
 }

@@ -17,7 +17,7 @@
  *     the 4 even, then the 4 odd, as a lanes word's nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S]
  *     (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
  *   tables_in_vectors(sn, zn, bn, G, swT, zT)   the first groups (returned: how many) of the tables lanes_tables
- *     builds from a block's scales sn fp16 [bn, G] and zero points zn uint8 [bn, G] (NULL: none), or 0;
+ *     builds from a block's scales sn fp16 [bn, G] and zero points zn uint8 [bn, G] (NULL: none, zT untouched), or 0;
  *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
  *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
@@ -61,7 +61,8 @@ static void lanes_tables(const void *scales, const uint16_t *row_scales, const u
     for (long r = 0; r < LROWS; r++)
         for (long g = done; g < G; g++) {
             swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
-            zT[g * LROWS + r] = r < bn && zeros ? zeros[(n + r) * G + g] : 0;  /* int8: no zero points */
+            if (zeros)  /* int8: none, and no table */
+                zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
         }
 }
 
