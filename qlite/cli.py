@@ -635,6 +635,19 @@ def main(argv=None) -> int:
             signal.signal(s, handler)
 
 
+def _error(message: str) -> None:
+    """One line on stderr, on a line of its own: a progress bar that an exception left open (even one
+    interrupted while it was being built) is closed first, which ends its line."""
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None:
+        for bar in list(getattr(bars.tqdm, "_instances", ())):
+            try:
+                bar.close()
+            except Exception:  # a bar that cannot close (its stream gone) must not hide the error
+                pass
+    click.echo(f"error: {message}", err=True)
+
+
 def _run(args: list, sigints: list) -> int:
     try:
         if args and not {"-h", "--help", "--version"} & set(args):
@@ -644,24 +657,24 @@ def _run(args: list, sigints: list) -> int:
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        _error(e.format_message())
         return e.exit_code
     except QliteError as e:
-        click.echo(f"error: {e}", err=True)
+        _error(str(e))
         return 1
     except (KeyboardInterrupt, Interrupted, click.exceptions.Abort):
-        click.echo("error: interrupted", err=True)
+        _error("interrupted")
         return 130
     except BrokenPipeError:
         return 1
     except Exception as e:  # never a traceback for a user; QLITE_DEBUG=1 to see one
         if sigints and not os.environ.get("QLITE_DEBUG"):  # a Ctrl-C that a library turned into this
-            click.echo("error: interrupted", err=True)
+            _error("interrupted")
             return 130
         if os.environ.get("QLITE_DEBUG"):
             raise
         msg = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"error: {type(e).__name__}: {msg} (QLITE_DEBUG=1 shows the traceback)", err=True)
+        _error(f"{type(e).__name__}: {msg} (QLITE_DEBUG=1 shows the traceback)")
         return 1
 
 

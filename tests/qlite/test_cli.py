@@ -130,3 +130,22 @@ def test_ctrl_c_that_a_library_turns_into_another_error_is_an_interrupt(capsys, 
     monkeypatch.setattr(qlite.cli, "cli", FailingCommand)
     assert main(["x"]) == 1  # without a Ctrl-C the same error is an error
     assert "ValueError: plain bug" in capsys.readouterr().err
+
+
+def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alone(capsys, monkeypatch):
+    """A signal that lands while a bar is being built (before its `with` closes it) left the bar's line
+    open, and the error line was glued to it: the bar is ended first."""
+    import qlite.cli
+    from tqdm import tqdm
+
+    class InterruptedMidBar:
+        @staticmethod
+        def main(args, prog_name, standalone_mode):
+            bar = tqdm(total=15, desc="quantize", unit="tensor", mininterval=0)  # drawn, never closed
+            assert bar.n == 0  # held by this frame, as a half-built one was
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(qlite.cli, "cli", InterruptedMidBar)
+    assert main(["x"]) == 130
+    err = capsys.readouterr().err
+    assert "quantize" in err and err.splitlines()[-1] == "error: interrupted"
