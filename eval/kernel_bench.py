@@ -14,9 +14,10 @@ rows after a 64-token prompt, speculate.py) for each R of --rows, against a one-
 through the fused layers and through the layer modules ("/ one step": over the fused one-token step).
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --peak instead measures how close the integer-activation product for a few activation rows (speculation's verify,
-a batched step) comes to this CPU's arithmetic: one core's rate of VNNI multiply-adds and float FMAs (alone and
-interleaved; AVX2: vpmaddubsw alone and in the product's mix, eval/peak_rate.c), against the product on weights
-that stay in L2 (int4-g128, 512 x 3584).
+a batched step) comes to this CPU's arithmetic: the rates of VNNI multiply-adds and float FMAs (alone and
+interleaved; AVX2: vpmaddubsw alone and in the int4 product's mix, vpmaddwd in the int8 one's, eval/peak_rate.c)
+on one core and on --threads threads at once (the bound: two vCPUs need not give twice one's), against the
+product on weights that stay in L2 (int4-g128, 512 x 3584; AVX2 also int8, 256 x 3584).
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
@@ -178,58 +179,89 @@ def time_steps(model_dir, calls: int) -> None:
     print(f"| {Path(model_dir).name} | {cell(times['modules'])} | {cell(times['fused'])} | {ratio:.2f} |")
 
 
-def peak_rates(avx2: bool = False) -> dict[str, float]:
-    """One core's instructions per ns (eval/peak_rate.c): vpdpbusd zmm, vfmadd231ps zmm, and the two 1:1; or
-    (avx2) vpmaddubsw ymm alone and in the AVX2 lanes product's mix (a vpbroadcastd and a vpaddw each)."""
+def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float]]:
+    """Instructions per ns (eval/peak_rate.c) of one core alone, and of `threads` threads running at once
+    (their sum: two vCPUs may share a core or its host, so twice one core's rate is no bound): vpdpbusd zmm,
+    vfmadd231ps zmm, and the two 1:1; or (avx2) vpmaddubsw ymm alone and in the int4 lanes product's mix (a
+    vpbroadcastd and a vpaddw each), and vpmaddwd in the int8 one's (a vpbroadcastd and a vpaddd each)."""
     import ctypes
     import tempfile
+    import threading
     compiler = os.environ.get("CC") or "cc"
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(native.build(compiler, Path(__file__).with_name("peak_rate.c"),
                                            ["-mavx512f", "-mavx512vnni"], Path(tmp))))
     lib.qlite_peak_rate.restype, lib.qlite_peak_rate.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long]
-    names = ("vpmaddubsw", "lanes mix") if avx2 else ("vpdpbusd", "fma", "vpdpbusd + fma")
+    names = ("vpmaddubsw", "int4 mix", "int8 mix") if avx2 else ("vpdpbusd", "fma", "vpdpbusd + fma")
     first = 3 if avx2 else 0
     lib.qlite_peak_rate(first, 2_000_000)  # the clock up
-    return {name: statistics.median(lib.qlite_peak_rate(first + kind, 4_000_000) for _ in range(5))
+
+    def at_once(kind: int) -> float:  # ctypes lets go of the GIL: the threads run together
+        rates = []
+        team = [threading.Thread(target=lambda: rates.append(lib.qlite_peak_rate(kind, 4_000_000)))
+                for _ in range(threads)]
+        for t in team:
+            t.start()
+        for t in team:
+            t.join()
+        return sum(rates)
+
+    return {name: (statistics.median(lib.qlite_peak_rate(first + kind, 4_000_000) for _ in range(5)),
+                   statistics.median(at_once(first + kind) for _ in range(5)))
             for kind, name in enumerate(names)}
+
+
+def product_rate(fmt, N: int, K: int, M: int, calls: int) -> tuple[float, float]:
+    """(ms per call, G multiply-adds/s) of the integer-activation product of fmt at M rows, weights in L2."""
+    stored = fmt.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
+    product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored.get("zeros"), None)
+    x = torch.randn(M, K).bfloat16()
+    for _ in range(20):
+        product(x)
+    ms = statistics.median(interleaved({"p": lambda: [product(x) for _ in range(20)]}, calls)["p"]) / 20
+    return ms, M * N * K / ms / 1e6
 
 
 def time_peak(rows: list[int], calls: int, threads: int) -> None:
     """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
-    the rate this CPU's vector units allow the kernel's instruction mix. int4 in lanes (csrc/lanes.h): a
-    vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure
-    vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are printed too); on AVX2 a
-    vpmaddubsw per 8 rows and 4 inputs, each with a broadcast of the inputs and an int16 add: that mix's rate."""
+    the rate this CPU's vector units allow the kernel's instruction mix, measured with --threads threads at
+    once. int4 in lanes (csrc/lanes.h): a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float
+    work per group only, so pure vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are
+    printed too); on AVX2 a vpmaddubsw per 8 rows and 4 inputs, each with a broadcast of the inputs and an
+    int16 add: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and 2 inputs with a broadcast and an
+    int32 add."""
     if not native.vnni_ready():
         raise click.ClickException("--peak measures the integer-activation kernels: this CPU has none")
-    if native.isa() == "avx2":  # a vpmaddubsw per 8 weight rows and 4 inputs (32 products), with its mix
-        rates = peak_rates(avx2=True)
-        pure, per_core = rates["vpmaddubsw"] * 1e9 * 32, rates["lanes mix"] * 1e9 * 32
-        print(f"one core: vpmaddubsw ymm {rates['vpmaddubsw']:.2f}/ns alone, {rates['lanes mix']:.2f}/ns each with "
-              f"a vpbroadcastd and a vpaddw (the product's mix); pure vpmaddubsw: {threads * pure / 1e9:.0f} G "
-              f"multiply-adds/s on {threads} threads, the product's mix at most {threads * per_core / 1e9:.0f}")
+    avx2 = native.isa() == "avx2"
+    rates = peak_rates(threads, avx2=avx2)
+    team = f"{threads} thread{'s' if threads > 1 else ''} at once"
+    if avx2:  # a vpmaddubsw per 8 weight rows and 4 inputs (32 products); a vpmaddwd per 8 rows and 2 (16)
+        (pure_1, pure), (mix_1, mix), (words_1, words) = rates["vpmaddubsw"], rates["int4 mix"], rates["int8 mix"]
+        pure, per_core, int8_bound = pure * 32, mix * 32, words * 16
+        print(f"one core: vpmaddubsw ymm {pure_1:.2f}/ns alone, {mix_1:.2f}/ns each with a vpbroadcastd and a "
+              f"vpaddw (the int4 product's mix), vpmaddwd {words_1:.2f}/ns each with a vpbroadcastd and a vpaddd "
+              f"(the int8 one's); {team}: {rates['vpmaddubsw'][1]:.2f}, {mix:.2f} and "
+              f"{words:.2f}/ns ({mix / mix_1:.2f}x one core's mix): pure vpmaddubsw {pure:.0f} G multiply-adds/s, "
+              f"the int4 product's mix at most {per_core:.0f}, the int8 product's at most {int8_bound:.0f}")
     else:
-        rates = peak_rates()
-        shared = rates["vpdpbusd + fma"] < 0.75 * (rates["vpdpbusd"] + rates["fma"])
-        pure = per_core = rates["vpdpbusd"] * 1e9 * 64
-        print(f"one core: vpdpbusd zmm {rates['vpdpbusd']:.2f}/ns, vfmadd231ps zmm {rates['fma']:.2f}/ns, "
-              f"the two in turn {rates['vpdpbusd + fma']:.2f}/ns ({'shared' if shared else 'separate'} units); "
-              f"pure vpdpbusd: {threads * pure / 1e9:.0f} G multiply-adds/s on {threads} threads, "
-              f"the product's mix at most {threads * per_core / 1e9:.0f}")
-    N, K = 512, 3584
-    stored = Int4(128).quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
-    product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"], None)
-    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of the pure multiply-adds' |")
-    print("|---|---|---|---|---|")
+        (dp_1, dp), (fma_1, _), (both_1, _) = rates["vpdpbusd"], rates["fma"], rates["vpdpbusd + fma"]
+        shared = both_1 < 0.75 * (dp_1 + fma_1)
+        pure = per_core = dp * 64
+        int8_bound = None  # int8 takes int_driver.h's product here, not in lanes
+        print(f"one core: vpdpbusd zmm {dp_1:.2f}/ns, vfmadd231ps zmm {fma_1:.2f}/ns, the two in turn "
+              f"{both_1:.2f}/ns ({'shared' if shared else 'separate'} units); {team}: vpdpbusd "
+              f"{dp:.2f}/ns ({dp / dp_1:.2f}x one core's): pure vpdpbusd {pure:.0f} G multiply-adds/s, "
+              f"the product's mix at most {per_core:.0f}")
+    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of the pure multiply-adds' |"
+          + (" int8 ms per call | int8 G multiply-adds/s | of its mix's bound |" if int8_bound else ""))
+    print("|---|---|---|---|---|" + ("---|---|---|" if int8_bound else ""))
     for M in rows:
-        x = torch.randn(M, K).bfloat16()
-        for _ in range(20):
-            product(x)
-        ms = statistics.median(interleaved({"p": lambda: [product(x) for _ in range(20)]}, calls)["p"]) / 20
-        rate = M * N * K / ms / 1e6  # G per s
-        print(f"| {M} | {ms:.3f} | {rate:.0f} | {rate / (threads * per_core / 1e9):.0%} | "
-              f"{rate / (threads * pure / 1e9):.0%} |")
+        ms, rate = product_rate(Int4(128), 512, 3584, M, calls)
+        line = f"| {M} | {ms:.3f} | {rate:.0f} | {rate / per_core:.0%} | {rate / pure:.0%} |"
+        if int8_bound:
+            ms8, rate8 = product_rate(Int8(None), 256, 3584, M, calls)
+            line += f" {ms8:.3f} | {rate8:.0f} | {rate8 / int8_bound:.0%} |"
+        print(line, flush=True)
 
 
 def time_verify(model_dir, rows: list[int], calls: int) -> None:

@@ -1,7 +1,8 @@
 /* Instruction rates of one core, for eval.kernel_bench --peak: how many AVX-512 VNNI multiply-adds
  * (vpdpbusd zmm, 64 int8 products each) and float FMAs (vfmadd231ps zmm) it retires per nanosecond, alone and
  * interleaved 1:1 (whether they share execution units); on AVX2, vpmaddubsw ymm (32 products) alone and in
- * the int4 lanes product's mix (each with a vpbroadcastd from memory and a vpaddw, csrc/kernels_avx2.c).
+ * the int4 lanes product's mix (each with a vpbroadcastd from memory and a vpaddw, csrc/kernels_avx2.c), and
+ * vpmaddwd ymm (16 products) in the int8 lanes product's mix (a vpbroadcastd and a vpaddd each).
  * 12 (6 in the mix) independent accumulators hide the latencies. Built with -mavx512f -mavx512vnni; the
  * caller runs only the kinds the CPU has. */
 #include <immintrin.h>
@@ -19,11 +20,13 @@ static double seconds(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, 
 #define UBS(i) "vpmaddubsw %%ymm14, %%ymm15, %%ymm" #i "\n"
 #define LANES(i) "vpbroadcastd %0, %%ymm" #i "\n vpmaddubsw %%ymm" #i ", %%ymm15, %%ymm" #i "\n vpaddw %%ymm" #i \
                  ", %%ymm1" #i ", %%ymm1" #i "\n"
+#define WORDS(i) "vpbroadcastd %0, %%ymm" #i "\n vpmaddwd %%ymm" #i ", %%ymm15, %%ymm" #i "\n vpaddd %%ymm" #i \
+                 ", %%ymm1" #i ", %%ymm1" #i "\n"
 #define YCLOBBER "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11", \
                  "ymm12", "ymm13"
 
 /* instructions per ns: kind 0 vpdpbusd, 1 vfmadd231ps, 2 both in turn (8 + 8 per round); AVX2: 3 vpmaddubsw,
- * 4 vpmaddubsw in the lanes mix (vpmaddubsw counted) */
+ * 4 vpmaddubsw in the int4 lanes mix, 5 vpmaddwd in the int8 lanes mix (the multiply-adds counted) */
 double qlite_peak_rate(int kind, long rounds) {
     static int word = 0x01010101;
     double t = seconds();
@@ -31,7 +34,8 @@ double qlite_peak_rate(int kind, long rounds) {
         __asm__ volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n vpxor %%ymm15, %%ymm15, %%ymm15" ::: "ymm14", "ymm15");
         for (long n = 0; n < rounds; n++) {
             if (kind == 3) __asm__ volatile(TWELVE(UBS) ::: YCLOBBER);
-            else __asm__ volatile(LANES(0) LANES(1) LANES(2) LANES(3) :: "m"(word) : YCLOBBER);
+            else if (kind == 4) __asm__ volatile(LANES(0) LANES(1) LANES(2) LANES(3) :: "m"(word) : YCLOBBER);
+            else __asm__ volatile(WORDS(0) WORDS(1) WORDS(2) WORDS(3) :: "m"(word) : YCLOBBER);
         }
         return (kind == 3 ? 12.0 : 4.0) * rounds / (seconds() - t) / 1e9;
     }
