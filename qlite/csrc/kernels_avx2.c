@@ -184,6 +184,12 @@ static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long
     return g;
 }
 
+/* GCC (12, -O3) otherwise issues all 32 vpmaddubsw of a 32-input step first, spills ~20 of them and sums each
+ * row's after (the products are independent): an empty asm that holds the row's sum in a register keeps each
+ * product added as it comes. Same bits. Zen 3: the inner tile alone 1.37x (one thread, codes in L1, medians of
+ * 12 runs), the product at 8-16 rows 1.03-1.15x on one thread, level on two (BENCHMARKS.md, ninth session). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* lanes_tile for mt <= INT4_TILE rows */
 static inline __attribute__((always_inline)) void lanes_tile_part(
         const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
@@ -211,6 +217,7 @@ static inline __attribute__((always_inline)) void lanes_tile_part(
                     memcpy(&odd, xa + m * K + k + 8 * i + 4, 4);
                     p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(even)));
                     p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(odd)));
+                    KEEP_IN_REGISTER(p[m]);
                 }
             }
             for (int m = 0; m < mt; m++) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], ones));
