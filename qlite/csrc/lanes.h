@@ -28,6 +28,9 @@
  * 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
  *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
  *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
+ * Where the file defines LANES_PAIRS (AVX2), int4 blocks go two at a time where both are full, from 3 rows on:
+ *   lanes_tile_pair(b0, b1, K, S, span, gsize, k0, kc, xa, xd, xsum, sw0, sw1, z0, z1, mt, t0, t1)   lanes_tile
+ *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
  * Elsewhere (kernels.c) int8 weights take int_driver.h's product: codes tiled by chunks, int16 activations a
  * scale per 8 inputs, included before this. */
 int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of the layout */
@@ -73,7 +76,12 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                           const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
                           int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
-    long group = M > 16 ? LGROUP : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
+#ifdef LANES_PAIRS
+    int pairs = int4 && M > 2;  /* lanes_tile_pair from 3 rows: at 1-2 rows (weights from memory) it measured 0.91x */
+#else
+    int pairs = 0;
+#endif
+    long group = M > 16 ? LGROUP : pairs ? 2 : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
     long share = (N + step - 1) / step / (8 * threads) + 1;  /* iterations a thread takes at a time */
     int8_t *xa = malloc(rows_max * K * (int4 ? 1 : 2));  /* int16 for int8 weights */
     float *xd = malloc(sizeof(float) * rows_max * S);
@@ -107,6 +115,25 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                     for (long b = 0; b < blocks; b++) {
                         long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
                         const uint8_t *block = (const uint8_t *)w + nb * code_bytes;
+#ifdef LANES_PAIRS
+                        if (pairs && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* two full blocks: lanes_tile_pair */
+                            for (long mt0 = 0; mt0 < rows; mt0 += PAIR_TILE) {
+                                const float *dm = xd + mt0 * S;
+                                const int32_t *sm = xsum + mt0 * S;
+                                #define PAIR(MT) lanes_tile_pair(block, block + LROWS * code_bytes, K, S, span, gsize, k0, kc, xa + mt0 * K, dm, sm, \
+                                    swT + b * G * LROWS, swT + (b + 1) * G * LROWS, zT + b * G * LROWS, zT + (b + 1) * G * LROWS, MT, \
+                                    total + (b * rows + mt0) * LROWS, total + ((b + 1) * rows + mt0) * LROWS)
+                                switch (rows - mt0 < PAIR_TILE ? rows - mt0 : PAIR_TILE) {  /* PAIR_TILE 3 */
+                                case 1: PAIR(1); break;
+                                case 2: PAIR(2); break;
+                                default: PAIR(PAIR_TILE);
+                                }
+                                #undef PAIR
+                            }
+                            b++;
+                            continue;
+                        }
+#endif
                         for (long mt0 = 0; mt0 < rows; mt0 += LTILE) {
                             const int8_t *xm = xa + mt0 * K;
                             const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
