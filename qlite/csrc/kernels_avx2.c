@@ -233,8 +233,9 @@ static inline __attribute__((always_inline)) void lanes_tile_part(
 /* lanes.h's lanes_tile_pair (LANES_PAIRS): two full blocks of weight rows (b0, b1; tables sw0, z0 and sw1, z1,
  * totals t0 and t1) for mt <= PAIR_TILE activation rows, each activation word broadcast once for both blocks'
  * vpmaddubsw: half the broadcasts of two lanes_tile calls, the same integer sums and float steps per block
- * (same bits). 3 rows a pass: 4 spilled (C harness, Zen 3: 3 rows 1.15-1.48x two lanes_tile calls at 1-16 rows
- * on two threads, 4 rows 1.11x / 0.90x at 8 / 16). */
+ * (same bits). 3 rows a pass: 4 spilled (a C harness, Zen 3, two threads: 3 rows 1.15-1.37x two lanes_tile
+ * calls at 4-16 rows, 4 rows 1.11x / 0.90x at 8 / 16). The product from memory (kernel_bench --against):
+ * int4-g128 0.98-1.10x at 3-8 rows, g32 / g64 / int4k 1.10-1.29x at 8-16, 1.14-1.31x at 128. */
 #define PAIR_TILE 3
 #define LANES_PAIRS
 static inline __attribute__((always_inline)) void lanes_tile_pair(
