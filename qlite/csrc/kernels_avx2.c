@@ -355,6 +355,51 @@ static inline __attribute__((always_inline)) void lanes_tile_int8(
         _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
 }
 
+/* lanes.h's lanes_tile_int8_pair (LANES_PAIRS): lanes_tile_int8 for two full blocks (b0, b1; tables sw0, sw1;
+ * totals t0, t1) and mt <= PAIR_TILE_INT8 activation rows, each activation pair broadcast once for both blocks'
+ * vpmaddwd and each row's sums held in registers: the same integer sums and float steps per block (same bits).
+ * A C harness (one thread, a block's codes in L1): 1.45x lanes_tile_int8 at 8 rows (70-74 against 48-51 G
+ * multiply-adds/s); the register hold alone, on 8 rows of one block, 0.55x (BENCHMARKS.md, tenth session). */
+#define PAIR_TILE_INT8 4
+static inline __attribute__((always_inline)) void lanes_tile_int8_pair(
+        const int8_t *b0, const int8_t *b1, long K, long S, long span, long gsize, long k0, long kc,
+        const int16_t *xq, const float *xd, const float *sw0, const float *sw1, int mt, float *t0, float *t1) {
+    __m256 f0[PAIR_TILE_INT8], f1[PAIR_TILE_INT8];
+    for (int m = 0; m < mt; m++) f0[m] = f1[m] = _mm256_setzero_ps();
+    for (long s0 = k0; s0 < k0 + kc; s0 += span) {
+        long j = s0 / span, g = s0 / gsize;
+        __m256i a0[PAIR_TILE_INT8], a1[PAIR_TILE_INT8];
+        for (int m = 0; m < mt; m++) a0[m] = a1[m] = _mm256_setzero_si256();
+        for (long k = s0; k < s0 + span; k += 8) {  /* a cache line of each block's codes at a time */
+            _mm_prefetch((const char *)(b0 + k * LROWS) + TILE_AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)(b1 + k * LROWS) + TILE_AHEAD, _MM_HINT_T2);
+            for (int i = 0; i < 4; i++) {
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b0 + (k + 2 * i) * LROWS)));
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b1 + (k + 2 * i) * LROWS)));
+                for (int m = 0; m < mt; m++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + m * K + k + 2 * i, 4);
+                    __m256i x = _mm256_set1_epi32(pair);
+                    a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(w0, x));
+                    KEEP_IN_REGISTER(a0[m]);
+                    a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(w1, x));
+                    KEEP_IN_REGISTER(a1[m]);
+                }
+            }
+        }
+        __m256 ws0 = _mm256_load_ps(sw0 + g * LROWS), ws1 = _mm256_load_ps(sw1 + g * LROWS);
+        for (int m = 0; m < mt; m++) {
+            __m256 xs = _mm256_set1_ps(xd[m * S + j]);
+            f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(xs, ws0), f0[m]);
+            f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(xs, ws1), f1[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        _mm256_store_ps(t0 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t0 + m * LROWS), f0[m]));
+        _mm256_store_ps(t1 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t1 + m * LROWS), f1[m]));
+    }
+}
+
 #include "lanes.h"
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */

@@ -28,9 +28,12 @@
  * 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
  *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
  *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
- * Where the file defines LANES_PAIRS (AVX2), int4 blocks go two at a time where both are full, from 3 rows on:
+ * Where the file defines LANES_PAIRS (AVX2, with INT8_LANES), blocks go two at a time where both are full, from 3
+ * rows on:
  *   lanes_tile_pair(b0, b1, K, S, span, gsize, k0, kc, xa, xd, xsum, sw0, sw1, z0, z1, mt, t0, t1)   lanes_tile
  *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
+ *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
+ *     two blocks, mt <= PAIR_TILE_INT8 rows (same bits)
  * Elsewhere (kernels.c) int8 weights take int_driver.h's product: codes tiled by chunks, int16 activations a
  * scale per 8 inputs, included before this. */
 int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of the layout */
@@ -77,7 +80,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                           int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
 #ifdef LANES_PAIRS
-    int pairs = int4 && M > 2;  /* lanes_tile_pair from 3 rows: at 1-2 rows (weights from memory) it measured 0.91x */
+    int pairs = M > 2;  /* the pair tiles from 3 rows: at 1-2 rows (weights from memory) int4's measured 0.91x */
 #else
     int pairs = 0;
 #endif
@@ -116,6 +119,22 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                         long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
                         const uint8_t *block = (const uint8_t *)w + nb * code_bytes;
 #ifdef LANES_PAIRS
+                        if (pairs && !int4 && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* int8: lanes_tile_int8_pair */
+                            for (long mt0 = 0; mt0 < rows; mt0 += PAIR_TILE_INT8) {
+                                #define PAIR8(MT) lanes_tile_int8_pair((const int8_t *)block, (const int8_t *)block + LROWS * code_bytes, K, S, \
+                                    span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, xd + mt0 * S, swT + b * G * LROWS, \
+                                    swT + (b + 1) * G * LROWS, MT, total + (b * rows + mt0) * LROWS, total + ((b + 1) * rows + mt0) * LROWS)
+                                switch (rows - mt0 < PAIR_TILE_INT8 ? rows - mt0 : PAIR_TILE_INT8) {  /* PAIR_TILE_INT8 4 */
+                                case 1: PAIR8(1); break;
+                                case 2: PAIR8(2); break;
+                                case 3: PAIR8(3); break;
+                                default: PAIR8(PAIR_TILE_INT8);
+                                }
+                                #undef PAIR8
+                            }
+                            b++;
+                            continue;
+                        }
                         if (pairs && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* two full blocks: lanes_tile_pair */
                             for (long mt0 = 0; mt0 < rows; mt0 += PAIR_TILE) {
                                 const float *dm = xd + mt0 * S;
