@@ -164,24 +164,29 @@ static inline void transpose8(__m256 *v) {
     }
 }
 
-/* lanes.h's tables_in_vectors: a whole block's scales (and zero points) 8 groups at a time, transposed */
+/* groups g .. g + 7 of a full block's tables, transposed */
+static inline void tables_8(const uint16_t *sn, const uint8_t *zn, long G, long g, float *swT, int32_t *zT) {
+    __m256 s[8], z[8];
+    for (int r = 0; r < 8; r++) s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
+    transpose8(s);
+    for (int i = 0; i < 8; i++) _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
+    if (!zn)
+        return;
+    for (int r = 0; r < 8; r++)
+        z[r] = _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))));
+    transpose8(z);
+    for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
+}
+
+/* lanes.h's tables_in_vectors: a whole block's scales (and zero points) 8 groups at a time, transposed; from 8
+ * groups on, a last G % 8 as the last 8 again (the overlap rewritten with the same values) */
 static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
-    if (bn != LROWS)
+    if (bn != LROWS || G < 8)
         return 0;
     long g = 0;
-    for (; g + 8 <= G; g += 8) {
-        __m256 s[8], z[8];
-        for (int r = 0; r < 8; r++) s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
-        transpose8(s);
-        for (int i = 0; i < 8; i++) _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
-        if (!zn)
-            continue;
-        for (int r = 0; r < 8; r++)
-            z[r] = _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))));
-        transpose8(z);
-        for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
-    }
-    return g;
+    for (; g + 8 <= G; g += 8) tables_8(sn, zn, G, g, swT, zT);
+    if (g < G) tables_8(sn, zn, G, G - 8, swT, zT);
+    return G;
 }
 
 /* GCC (12, -O3) otherwise issues all 32 vpmaddubsw of a 32-input step first, spills ~20 of them and sums each
