@@ -178,11 +178,35 @@ static inline void tables_8(const uint16_t *sn, const uint8_t *zn, long G, long 
     for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
 }
 
+/* a full block's tables of G < 8 groups (K = 896 at group 128: 7; int8 by rows: 1): each row's G values read as 8
+ * from inside the block's 8 G (a row's start, or 8 G - 8 for the last rows) and moved to lanes 0 .. G - 1 */
+static inline void tables_few(const uint16_t *sn, const uint8_t *zn, long G, float *swT, int32_t *zT) {
+    __m256 s[8], z[8];
+    for (int r = 0; r < 8; r++) {
+        long start = r * G < 8 * G - 8 ? r * G : 8 * G - 8;
+        __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)(r * G - start)));
+        s[r] = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + start))), lanes);
+        if (zn)
+            z[r] = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + start))), lanes));
+    }
+    transpose8(s);
+    for (long i = 0; i < G; i++) _mm256_store_ps(swT + i * LROWS, s[i]);
+    if (!zn)
+        return;
+    transpose8(z);
+    for (long i = 0; i < G; i++) _mm256_store_si256((__m256i *)(zT + i * LROWS), _mm256_castps_si256(z[i]));
+}
+
 /* lanes.h's tables_in_vectors: a whole block's scales (and zero points) 8 groups at a time, transposed; from 8
  * groups on, a last G % 8 as the last 8 again (the overlap rewritten with the same values) */
 static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
-    if (bn != LROWS || G < 8)
+    if (bn != LROWS)
         return 0;
+    if (G < 8) {
+        tables_few(sn, zn, G, swT, zT);
+        return G;
+    }
     long g = 0;
     for (; g + 8 <= G; g += 8) tables_8(sn, zn, G, g, swT, zT);
     if (g < G) tables_8(sn, zn, G, G - 8, swT, zT);
