@@ -183,7 +183,8 @@ def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float
     """Instructions per ns (eval/peak_rate.c) of one core alone, and of `threads` threads running at once
     (their sum: two vCPUs may share a core or its host, so twice one core's rate is no bound): vpdpbusd zmm,
     vfmadd231ps zmm, and the two 1:1; or (avx2) vpmaddubsw ymm alone and in the int4 lanes product's mix (a
-    vpbroadcastd and a vpaddw each), and vpmaddwd in the int8 one's (a vpbroadcastd and a vpaddd each)."""
+    vpbroadcastd per two, one for each of two blocks of weight rows, and a vpaddw each), and vpmaddwd in the
+    int8 one's (likewise, with a vpaddd)."""
     import ctypes
     import tempfile
     import threading
@@ -227,9 +228,9 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
     the rate this CPU's vector units allow the kernel's instruction mix, measured with --threads threads at
     once. int4 in lanes (csrc/lanes.h): a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float
     work per group only, so pure vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are
-    printed too); on AVX2 a vpmaddubsw per 8 rows and 4 inputs, each with a broadcast of the inputs and an
-    int16 add: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and 2 inputs with a broadcast and an
-    int32 add."""
+    printed too); on AVX2 a vpmaddubsw per 8 rows and 4 inputs, a broadcast of the inputs per two (two blocks
+    of weight rows a pass) and an int16 add each: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and
+    2 inputs, likewise with an int32 add."""
     if not native.vnni_ready():
         raise click.ClickException("--peak measures the integer-activation kernels: this CPU has none")
     avx2 = native.isa() == "avx2"
@@ -238,8 +239,8 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
     if avx2:  # a vpmaddubsw per 8 weight rows and 4 inputs (32 products); a vpmaddwd per 8 rows and 2 (16)
         (pure_1, pure), (mix_1, mix), (words_1, words) = rates["vpmaddubsw"], rates["int4 mix"], rates["int8 mix"]
         pure, per_core, int8_bound = pure * 32, mix * 32, words * 16
-        print(f"one core: vpmaddubsw ymm {pure_1:.2f}/ns alone, {mix_1:.2f}/ns each with a vpbroadcastd and a "
-              f"vpaddw (the int4 product's mix), vpmaddwd {words_1:.2f}/ns each with a vpbroadcastd and a vpaddd "
+        print(f"one core: vpmaddubsw ymm {pure_1:.2f}/ns alone, {mix_1:.2f}/ns with a vpbroadcastd per two and a "
+              f"vpaddw each (the int4 product's mix), vpmaddwd {words_1:.2f}/ns likewise with a vpaddd "
               f"(the int8 one's); {team}: {rates['vpmaddubsw'][1]:.2f}, {mix:.2f} and "
               f"{words:.2f}/ns ({mix / mix_1:.2f}x one core's mix): pure vpmaddubsw {pure:.0f} G multiply-adds/s, "
               f"the int4 product's mix at most {per_core:.0f}, the int8 product's at most {int8_bound:.0f}")
