@@ -21,6 +21,7 @@ needs and is called with the activations. backends.py says which kernels a backe
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -238,8 +239,10 @@ class VnniInt8(_TiledCodes, _IntegerActivations, NativeInt8):
 
 def dequantized_for_prefill(fmt, in_features: int) -> bool:
     """Whether a prefill dequantizes a quantized layer of this format to bf16 for one matmul (fit.py's
-    scratch): not int4 layers that VnniInt4 runs through the integer-activation product on this CPU."""
-    return not (isinstance(fmt, Int4) and native.vnni_ready()
+    scratch): not the layers an integer-activation product takes at every row count on this CPU: int4
+    (VnniInt4), and int8 where its product has no row limit (VnniInt8 on AVX2, native.vnni_max_rows)."""
+    every_row_count = isinstance(fmt, Int4) or (isinstance(fmt, Int8) and native.vnni_max_rows() == sys.maxsize)
+    return not (every_row_count and native.vnni_ready()
                 and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
 
 
