@@ -129,8 +129,8 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [Int4(128), Int4(256, symmetric=True), Int4(64), Int4(32), Int8(None), Int8(128),
                                  Int8(64), Int8(32)], ids=str)
-@pytest.mark.parametrize("rows, n", [(1, 37), (6, 256), (16, 40), (37, 8)])  # partial blocks of weight / x rows
-def test_gemv_vnni_is_the_product_with_integer_activations(fmt, rows, n):
+@pytest.mark.parametrize("rows, n", [(1, 37), (3, 40), (6, 256), (16, 40), (37, 8)])  # partial blocks of weight /
+def test_gemv_vnni_is_the_product_with_integer_activations(fmt, rows, n):                # x rows; every pass width
     if not native.vnni_ready():
         pytest.skip("no integer-activation kernels (AVX-512 without VNNI)")
     K = 384
