@@ -259,6 +259,26 @@ static inline __attribute__((always_inline)) void lanes_tile_part(
         _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
 }
 
+/* the two pair tiles' float steps (lanes.h): f += (float)sum * (xs ws) per block, span by span, for mt rows of
+ * per-span scales xd (stride S); then each block's total += f */
+static inline __attribute__((always_inline)) void pair_float_step(
+        const __m256i *a0, const __m256i *a1, const float *sw0, const float *sw1, const float *xd, long S, int mt,
+        __m256 *f0, __m256 *f1) {
+    __m256 ws0 = _mm256_load_ps(sw0), ws1 = _mm256_load_ps(sw1);
+    for (int m = 0; m < mt; m++) {
+        __m256 xs = _mm256_set1_ps(xd[m * S]);
+        f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(xs, ws0), f0[m]);
+        f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(xs, ws1), f1[m]);
+    }
+}
+
+static inline __attribute__((always_inline)) void pair_totals(const __m256 *f0, const __m256 *f1, int mt, float *t0, float *t1) {
+    for (int m = 0; m < mt; m++) {
+        _mm256_store_ps(t0 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t0 + m * LROWS), f0[m]));
+        _mm256_store_ps(t1 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t1 + m * LROWS), f1[m]));
+    }
+}
+
 /* lanes.h's lanes_tile_pair (LANES_PAIRS): two full blocks of weight rows (b0, b1; tables sw0, z0 and sw1, z1,
  * totals t0 and t1) for mt <= PAIR_TILE activation rows, each activation word broadcast once for both blocks'
  * vpmaddubsw: half the broadcasts of two lanes_tile calls, the same integer sums and float steps per block
@@ -310,17 +330,9 @@ static inline __attribute__((always_inline)) void lanes_tile_pair(
                 a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(p1[m], ones));
             }
         }
-        __m256 ws0 = _mm256_load_ps(sw0 + g * LROWS), ws1 = _mm256_load_ps(sw1 + g * LROWS);
-        for (int m = 0; m < mt; m++) {
-            __m256 xs = _mm256_set1_ps(xd[m * S + j]);
-            f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(xs, ws0), f0[m]);
-            f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(xs, ws1), f1[m]);
-        }
+        pair_float_step(a0, a1, sw0 + g * LROWS, sw1 + g * LROWS, xd + j, S, mt, f0, f1);
     }
-    for (int m = 0; m < mt; m++) {
-        _mm256_store_ps(t0 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t0 + m * LROWS), f0[m]));
-        _mm256_store_ps(t1 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t1 + m * LROWS), f1[m]));
-    }
+    pair_totals(f0, f1, mt, t0, t1);
 }
 
 /* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows, INT4_TILE at a time */
@@ -416,17 +428,9 @@ static inline __attribute__((always_inline)) void lanes_tile_int8_pair(
                 }
             }
         }
-        __m256 ws0 = _mm256_load_ps(sw0 + g * LROWS), ws1 = _mm256_load_ps(sw1 + g * LROWS);
-        for (int m = 0; m < mt; m++) {
-            __m256 xs = _mm256_set1_ps(xd[m * S + j]);
-            f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(xs, ws0), f0[m]);
-            f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(xs, ws1), f1[m]);
-        }
+        pair_float_step(a0, a1, sw0 + g * LROWS, sw1 + g * LROWS, xd + j, S, mt, f0, f1);
     }
-    for (int m = 0; m < mt; m++) {
-        _mm256_store_ps(t0 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t0 + m * LROWS), f0[m]));
-        _mm256_store_ps(t1 + m * LROWS, _mm256_add_ps(_mm256_load_ps(t1 + m * LROWS), f1[m]));
-    }
+    pair_totals(f0, f1, mt, t0, t1);
 }
 
 #include "lanes.h"

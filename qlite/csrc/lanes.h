@@ -121,33 +121,21 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                         long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS, kc = K - k0 < LKC ? K - k0 : LKC;
                         const uint8_t *block = (const uint8_t *)w + nb * code_bytes;
 #ifdef LANES_PAIRS
-                        if (pairs && !int4 && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* int8: lanes_tile_int8_pair */
-                            for (long mt0 = 0; mt0 < rows; mt0 += PAIR_TILE_INT8) {
-                                #define PAIR8(MT) lanes_tile_int8_pair((const int8_t *)block, (const int8_t *)block + LROWS * code_bytes, K, S, \
-                                    span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, xd + mt0 * S, swT + b * G * LROWS, \
-                                    swT + (b + 1) * G * LROWS, MT, total + (b * rows + mt0) * LROWS, total + ((b + 1) * rows + mt0) * LROWS)
-                                switch (rows - mt0 < PAIR_TILE_INT8 ? rows - mt0 : PAIR_TILE_INT8) {  /* PAIR_TILE_INT8 4 */
-                                case 1: PAIR8(1); break;
-                                case 2: PAIR8(2); break;
-                                case 3: PAIR8(3); break;
-                                default: PAIR8(PAIR_TILE_INT8);
-                                }
-                                #undef PAIR8
-                            }
-                            b++;
-                            continue;
-                        }
-                        if (pairs && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* two full blocks: lanes_tile_pair */
-                            for (long mt0 = 0; mt0 < rows; mt0 += PAIR_TILE) {
-                                const float *dm = xd + mt0 * S;
-                                const int32_t *sm = xsum + mt0 * S;
-                                #define PAIR(MT) lanes_tile_pair(block, block + LROWS * code_bytes, K, S, span, gsize, k0, kc, xa + mt0 * K, dm, sm, \
-                                    swT + b * G * LROWS, swT + (b + 1) * G * LROWS, zT + b * G * LROWS, zT + (b + 1) * G * LROWS, MT, \
-                                    total + (b * rows + mt0) * LROWS, total + ((b + 1) * rows + mt0) * LROWS)
-                                switch (rows - mt0 < PAIR_TILE ? rows - mt0 : PAIR_TILE) {  /* PAIR_TILE 3 */
+                        if (pairs && b + 1 < blocks && N - nb >= 2 * LROWS) {  /* two full blocks: the pair tiles */
+                            long width = int4 ? PAIR_TILE : PAIR_TILE_INT8;  /* rows a pass: 3, 4 */
+                            for (long mt0 = 0; mt0 < rows; mt0 += width) {
+                                float *t0 = total + (b * rows + mt0) * LROWS, *t1 = total + ((b + 1) * rows + mt0) * LROWS;
+                                const float *sw0 = swT + b * G * LROWS, *sw1 = swT + (b + 1) * G * LROWS;
+                                #define PAIR(MT) do { if (int4) lanes_tile_pair(block, block + LROWS * code_bytes, K, S, span, gsize, k0, kc, \
+                                    xa + mt0 * K, xd + mt0 * S, xsum + mt0 * S, sw0, sw1, zT + b * G * LROWS, zT + (b + 1) * G * LROWS, \
+                                    MT < PAIR_TILE ? MT : PAIR_TILE, t0, t1); \
+                                    else lanes_tile_int8_pair((const int8_t *)block, (const int8_t *)block + LROWS * code_bytes, K, S, span, \
+                                    gsize, k0, kc, (const int16_t *)xa + mt0 * K, xd + mt0 * S, sw0, sw1, MT, t0, t1); } while (0)
+                                switch (rows - mt0 < width ? rows - mt0 : width) {  /* constant row counts: each specialised */
                                 case 1: PAIR(1); break;
                                 case 2: PAIR(2); break;
-                                default: PAIR(PAIR_TILE);
+                                case 3: PAIR(3); break;
+                                default: PAIR(PAIR_TILE_INT8);  /* int8 only: int4 passes are at most 3 rows */
                                 }
                                 #undef PAIR
                             }
