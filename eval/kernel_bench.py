@@ -182,9 +182,9 @@ def time_steps(model_dir, calls: int) -> None:
 def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float]]:
     """Instructions per ns (eval/peak_rate.c) of one core alone, and of `threads` threads running at once
     (their sum: two vCPUs may share a core or its host, so twice one core's rate is no bound): vpdpbusd zmm,
-    vfmadd231ps zmm, and the two 1:1; or (avx2) vpmaddubsw ymm alone and in the int4 lanes product's mix (a
-    vpbroadcastd per two, one for each of two blocks of weight rows, and a vpaddw each), and vpmaddwd in the
-    int8 one's (likewise, with a vpaddd)."""
+    vfmadd231ps zmm, the two 1:1, and vpdpwssd zmm on a broadcast memory operand (the int8 product's); or (avx2)
+    vpmaddubsw ymm alone and in the int4 lanes product's mix (a vpbroadcastd per two, one for each of two blocks
+    of weight rows, and a vpaddw each), and vpmaddwd in the int8 one's (likewise, with a vpaddd)."""
     import ctypes
     import tempfile
     import threading
@@ -193,9 +193,9 @@ def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float
         lib = ctypes.CDLL(str(native.build(compiler, Path(__file__).with_name("peak_rate.c"),
                                            ["-mavx512f", "-mavx512vnni"], Path(tmp))))
     lib.qlite_peak_rate.restype, lib.qlite_peak_rate.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long]
-    names = ("vpmaddubsw", "int4 mix", "int8 mix") if avx2 else ("vpdpbusd", "fma", "vpdpbusd + fma")
-    first = 3 if avx2 else 0
-    lib.qlite_peak_rate(first, 2_000_000)  # the clock up
+    kinds = {"vpmaddubsw": 3, "int4 mix": 4, "int8 mix": 5} if avx2 else \
+        {"vpdpbusd": 0, "fma": 1, "vpdpbusd + fma": 2, "int8 mix": 6}
+    lib.qlite_peak_rate(next(iter(kinds.values())), 2_000_000)  # the clock up
 
     def at_once(kind: int) -> float:  # ctypes lets go of the GIL: the threads run together
         rates = []
@@ -207,9 +207,9 @@ def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float
             t.join()
         return sum(rates)
 
-    return {name: (statistics.median(lib.qlite_peak_rate(first + kind, 4_000_000) for _ in range(5)),
-                   statistics.median(at_once(first + kind) for _ in range(5)))
-            for kind, name in enumerate(names)}
+    return {name: (statistics.median(lib.qlite_peak_rate(kind, 4_000_000) for _ in range(5)),
+                   statistics.median(at_once(kind) for _ in range(5)))
+            for name, kind in kinds.items()}
 
 
 def product_rate(fmt, N: int, K: int, M: int, calls: int) -> tuple[float, float]:
@@ -228,7 +228,8 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
     the rate this CPU's vector units allow the kernel's instruction mix, measured with --threads threads at
     once. int4 in lanes (csrc/lanes.h): a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float
     work per group only, so pure vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are
-    printed too); on AVX2 a vpmaddubsw per 8 rows and 4 inputs, a broadcast of the inputs per two (two blocks
+    printed too), and int8 in lanes a vpdpwssd per 16 rows and 2 inputs, its inputs a broadcast memory operand;
+    on AVX2 a vpmaddubsw per 8 rows and 4 inputs, a broadcast of the inputs per two (two blocks
     of weight rows a pass) and an int16 add each: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and
     2 inputs, likewise with an int32 add."""
     if not native.vnni_ready():
@@ -246,23 +247,23 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
               f"the int4 product's mix at most {per_core:.0f}, the int8 product's at most {int8_bound:.0f}")
     else:
         (dp_1, dp), (fma_1, _), (both_1, _) = rates["vpdpbusd"], rates["fma"], rates["vpdpbusd + fma"]
+        (words_1, words) = rates["int8 mix"]
         shared = both_1 < 0.75 * (dp_1 + fma_1)
         pure = per_core = dp * 64
-        int8_bound = None  # int8 takes int_driver.h's product here, not in lanes
+        int8_bound = words * 32  # a vpdpwssd per 16 rows and 2 inputs
         print(f"one core: vpdpbusd zmm {dp_1:.2f}/ns, vfmadd231ps zmm {fma_1:.2f}/ns, the two in turn "
-              f"{both_1:.2f}/ns ({'shared' if shared else 'separate'} units); {team}: vpdpbusd "
-              f"{dp:.2f}/ns ({dp / dp_1:.2f}x one core's): pure vpdpbusd {pure:.0f} G multiply-adds/s, "
-              f"the product's mix at most {per_core:.0f}")
-    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of the pure multiply-adds' |"
-          + (" int8 ms per call | int8 G multiply-adds/s | of its mix's bound |" if int8_bound else ""))
-    print("|---|---|---|---|---|" + ("---|---|---|" if int8_bound else ""))
+              f"{both_1:.2f}/ns ({'shared' if shared else 'separate'} units), vpdpwssd zmm on a broadcast "
+              f"{words_1:.2f}/ns; {team}: vpdpbusd {dp:.2f}/ns ({dp / dp_1:.2f}x one core's), vpdpwssd "
+              f"{words:.2f}/ns: pure vpdpbusd {pure:.0f} G multiply-adds/s, the int4 product's mix at most "
+              f"{per_core:.0f}, the int8 product's at most {int8_bound:.0f}")
+    print("| rows | ms per call | G multiply-adds/s | of the mix's bound | of the pure multiply-adds' "
+          "| int8 ms per call | int8 G multiply-adds/s | of its mix's bound |")
+    print("|---|---|---|---|---|---|---|---|")
     for M in rows:
         ms, rate = product_rate(Int4(128), 512, 3584, M, calls)
-        line = f"| {M} | {ms:.3f} | {rate:.0f} | {rate / per_core:.0%} | {rate / pure:.0%} |"
-        if int8_bound:
-            ms8, rate8 = product_rate(Int8(None), 256, 3584, M, calls)
-            line += f" {ms8:.3f} | {rate8:.0f} | {rate8 / int8_bound:.0%} |"
-        print(line, flush=True)
+        ms8, rate8 = product_rate(Int8(None), 256, 3584, M, calls)
+        print(f"| {M} | {ms:.3f} | {rate:.0f} | {rate / per_core:.0%} | {rate / pure:.0%} | {ms8:.3f} | {rate8:.0f} "
+              f"| {rate8 / int8_bound:.0%} |", flush=True)
 
 
 def time_verify(model_dir, rows: list[int], calls: int) -> None:

@@ -12,11 +12,10 @@ needs and is called with the activations. backends.py says which kernels a backe
   (bucketed_linear; float32 ones on AVX2, which has no bf16 arithmetic). No copy, so memory holds the
   checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the product quantizes the activations and
-  multiplies in integers, as llama.cpp does: int8 weights meet int16 activations (a scale per 8 inputs)
-  up to VNNI_MAX_ROWS rows per sequence (AVX2: a scale per row and group of at most 128 inputs, in
-  lanes, at every row count, prefill included); int4 weights meet int8 activations (a scale per row and
-  group of at most 128 inputs, integer sums per group) in one product "in lanes" at every row count,
-  decode and prefill (csrc/lanes.h). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd.
+  multiplies in integers, as llama.cpp does, in one product "in lanes" (csrc/lanes.h), a scale per row
+  and group of at most 128 inputs and integer sums per group: int4 weights meet int8 activations at every
+  row count, decode and prefill; int8 weights int16 activations up to VNNI_MAX_ROWS rows per sequence
+  (AVX2: at every row count, prefill included). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations

@@ -34,7 +34,6 @@ MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector ker
 MAX_GROUPS = 1024  # common.h's MAX_GROUPS
 VNNI_MAX_ROWS = 16  # the integer-activation kernels beat dequantize + bf16 matmul up to about this many
 CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
-ROWS = 4  # common.h's ROWS: weight rows per block, the tile of tile_codes
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
@@ -251,19 +250,12 @@ def vnni_ready() -> bool:
 
 
 def lanes_rows() -> int:
-    """The weight rows of a block of int4 codes in lanes (lanes.h: 16 on AVX-512, 8 on AVX2), the layout of
-    tile_codes for int4; int4 weights meet int8 activations (absmax / 127 per row and span: the group, at most
-    CHUNK inputs) in one product at every row count, each row's result the same at any row count."""
+    """The weight rows of a block of codes in lanes (lanes.h: 16 on AVX-512, 8 on AVX2), the layout of
+    tile_codes; int4 weights meet int8 activations (absmax / 127 per row and span: the group, at most CHUNK
+    inputs), int8 weights int16 ones (absmax / 32767 per row and span), in one product at every row count, each
+    row's result the same at any row count and on either instruction set."""
     _check_rule(vnni_ready(), "no integer-activation kernels")
     return library().qlite_int4_lanes()
-
-
-def int8_in_lanes() -> bool:
-    """Whether int8 weights take the product in lanes too (lanes.h: AVX2), codes in blocks of lanes_rows() rows
-    [K / 2][rows][2 bytes], activations int16 absmax / 32767 per row and span; else (AVX-512) codes tiled by
-    chunks of ROWS rows and int16 activations a scale per 8 inputs (int_driver.h)."""
-    _check_rule(vnni_ready(), "no integer-activation kernels")
-    return library().qlite_int8_lanes() == 1
 
 
 def vnni_max_rows() -> int:
@@ -282,10 +274,9 @@ def vnni_fits(in_features: int, group_size: int) -> bool:
 
 def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] or packed int4 codes (uint8) [N, K/2], row-major as stored -> a copy laid out as
-    the integer-activation products take them: int8 codes tiled by chunks (common.h's int8_tiled), each block of
-    ROWS rows chunk by chunk, [K / CHUNK][rows][bytes of CHUNK inputs], so that a block is one sequential stream;
-    in lanes (lanes.h: int4 codes, and int8 ones where int8_in_lanes()) blocks of lanes_rows() rows, [K / 8][rows]
-    [4 bytes] (int4) or [K / 2][rows][2 bytes] (int8). Same shape, same bytes, another order."""
+    the integer-activation products take them, in lanes (lanes.h): blocks of lanes_rows() rows, [K / 8][rows]
+    [4 bytes] (int4) or [K / 2][rows][2 bytes] (int8), so that a block is one sequential stream. Same shape, same
+    bytes, another order."""
     int4 = qweight.dtype == torch.uint8
     _check(qweight, torch.uint8 if int4 else torch.int8, (qweight.shape[0], qweight.shape[-1]), "qweight")
     K = qweight.shape[1] * (2 if int4 else 1)
@@ -296,9 +287,9 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Product:
-    """int8_product / int4_product (zeros None for int8) with x quantized first (for int8 weights int16, a
-    scale per 8 inputs or, in lanes, per span: int8_in_lanes; for int4 int8 per span of inputs, lanes_rows)
-    and integer dot products: not exact in x (kernels.c). Codes tiled (tile_codes)."""
+    """int8_product / int4_product (zeros None for int8) with x quantized first per row and span of inputs (int16
+    for int8 weights, int8 for int4: lanes_rows) and integer dot products: not exact in x (lanes.h). Codes tiled
+    (tile_codes)."""
     int4 = zeros is not None
     N, K = qweight.shape[0], qweight.shape[1] * (2 if int4 else 1)
     _check_rule(int4 or row_scales is None, "row_scales without zeros (int4k is int4)")

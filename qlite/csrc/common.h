@@ -12,15 +12,6 @@
 #define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
 #define CHUNK 128  /* the integer-activation kernels take x and the groups in whole chunks of this many inputs */
 
-/* int8 codes as the integer-activation product takes them (native.tile_codes; int4 codes: lanes.h): the
- * weight's blocks of ROWS rows (the last block: the rows left, nrows) each stored chunk by chunk, the block's
- * rows side by side in each chunk: [K / CHUNK][nrows][CHUNK bytes]. A block's product then reads one
- * sequential stream; the rows of a row-major weight were ROWS streams, which this CPU streamed 0.6-0.9x as
- * fast (BENCHMARKS.md). Weight k of row r of the block at `block`: */
-static inline const int8_t *int8_tiled(const void *block, int nrows, int r, long k) {
-    return (const int8_t *)block + ((k / CHUNK) * nrows + r) * CHUNK + k % CHUNK;
-}
-
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */

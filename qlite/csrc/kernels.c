@@ -12,9 +12,9 @@
  *          fp16(d c) are made first (drivers.h's block_fp16_scales), then the int4 code runs on them.
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
- * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers (below).
- * int4 weights meet int8 activations in one product at every row count ("in lanes", below); the dequantize_*
- * functions write bf16 weights for the other formats' many-row case, where a bf16 matmul wins.
+ * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers, int4 and int8
+ * weights "in lanes" (below, lanes.h); the dequantize_* functions write bf16 weights for a prefill's int8 layers
+ * (past native.VNNI_MAX_ROWS rows) and the other formats, where a bf16 matmul wins.
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
  * and rotary + KV-cache write + attention for one token.
  * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
@@ -102,48 +102,15 @@ static inline uint16_t to_int4_act(uint16_t v) { return v; }
 #include "drivers.h"
 
 
-/* ---- integer activations x int8 weights (VNNI) -----------------------------------------------------
- * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers. int8 weights
- * meet int16 activations (absmax / 32767, rounded to nearest even) in vpdpwssd (s16 x s16): int8 activations
- * cost int8 checkpoints 10-25% more KLD on the demo model, int16 ones nothing measurable. A chunk of 128
- * inputs sums its products in 16 int32 lanes; each lane's 8 inputs are one block of x with its own scale (the
- * scales are a vector), so y[m, n] = sum_c sw[g(c)] sum_lanes xs[m, c, lane] dot_lane: the stored weights q sw
- * exactly, times x's integer image. Groups are whole chunks, or 32 or 64 inputs: each of a chunk's 4 vectors
- * of 32 inputs lies in one group (native.py checks). Weights are unpacked once per chunk for XTILE activation
- * rows. int4 weights take their own product ("in lanes", lanes.h: activations int8 per group of inputs). */
+/* ---- integer activations (VNNI): int4 and int8 weights in lanes (lanes.h) ------------------------------
+ * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers. int4 weights
+ * meet int8 activations (vpdpbusd), int8 weights int16 ones (vpdpwssd, s16 x s16: int8 activations cost int8
+ * checkpoints 10-25% more KLD on the demo model, int16 ones nothing measurable); both per row and span of
+ * inputs, 16 weight rows a vector. kernels_avx2.c runs the same integers and float steps: the same bits. */
 #if defined(__AVX512VNNI__)
-#define XTILE 4  /* activation rows per pass over a block of ROWS weight rows */
 #define INTEGER_PRODUCTS  /* decode_step.h calls qlite_gemv_vnni */
 
 int qlite_vnni_abi(void) { return 1; }
-
-static inline __m512 inverse(__m512 a, float top) {  /* top / a, 0 where a is 0 */
-    return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(top), a);
-}
-
-/* int8's activations: x bf16 [M, K] -> xq int16 [M, K] in k order, xs fp32 [M, K / CHUNK, 16] (each lane's
- * scale). The chunk is 4 vectors of 32 int16; lane l of vector t holds k = 32 t + 2 l', 32 t + 2 l' + 1 (l' = l
- * mod 8, the second 16 inputs of the 32 for l >= 8), so a lane's block is those 8 inputs, 2 from each vector. */
-static void quantize_activations_int16(const uint16_t *x, long M, long K, int16_t *xq, float *xs) {
-    long C = K / CHUNK;
-    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (long m = 0; m < M; m++)
-        for (long c = 0; c < C; c++) {
-            const uint16_t *src = x + m * K + c * CHUNK;
-            __m512 v[8], amax[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  /* [0]: inputs 0..15 of each 32, [1]: 16..31 */
-            for (int i = 0; i < 8; i++) {
-                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16 * i))), 16));
-                amax[i % 2] = _mm512_max_ps(amax[i % 2], _mm512_abs_ps(v[i]));
-            }
-            for (int h = 0; h < 2; h++) amax[h] = _mm512_max_ps(amax[h], _mm512_permute_ps(amax[h], 0xB1));  /* pairs */
-            __m512 inv[2] = {inverse(amax[0], 32767.f), inverse(amax[1], 32767.f)};
-            for (int i = 0; i < 8; i++)
-                _mm256_storeu_si256((__m256i *)(xq + m * K + c * CHUNK + 16 * i),
-                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv[i % 2]))));
-            _mm512_storeu_ps(xs + (m * C + c) * 16,
-                             _mm512_mul_ps(_mm512_permutex2var_ps(amax[0], evens, amax[1]), _mm512_set1_ps(1.f / 32767.f)));
-        }
-}
 
 /* ---- int4 weights in lanes (lanes.h): 16 rows a vector, vpdpbusd -------------------------------- */
 #define LROWS 16  /* weight rows per block: a vector's lanes */
@@ -177,12 +144,6 @@ static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa,
  * not coalesce them: 2 moves per vpdpbusd) made a tile 1.x slower */
 static inline __attribute__((always_inline)) void dpbusd_in_place(__m512i *acc, __m512i x, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(b));
-}
-
-/* lanes.h's tables_in_vectors: none (lanes_tables builds them all) */
-static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
-    (void)sn; (void)zn; (void)bn; (void)G; (void)swT; (void)zT;
-    return 0;
 }
 
 /* lanes.h's lanes_tile: total [mt, LROWS] += one block's products with mt activation rows, a vpdpbusd per 4 inputs */
@@ -225,47 +186,56 @@ static inline __attribute__((always_inline)) void lanes_tile(
         _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
 }
 
-/* one block of nrows int8 weight rows against mrows activation rows; out[r * XTILE + m]. small: groups of 32 or
- * 64, several per chunk: each of the 4 vectors' 32 inputs lie in one group, so its dot product is scaled on its own */
-static inline __attribute__((always_inline)) void int_block(
-        const int16_t *xq, const float *xs, long K, long G, const int8_t *w, const float (*sw)[MAX_GROUPS], int small,
-        int nrows, int mrows, float *out) {
-    long C = K / CHUNK, per_group = small ? 1 : C / G, in_chunk = small ? G / C : 1;
-    __m512 total[ROWS][XTILE];
-    for (int r = 0; r < ROWS; r++) for (int m = 0; m < XTILE; m++) total[r][m] = _mm512_setzero_ps();
-    for (long g = 0, c = 0; g < G; g += in_chunk)
-    for (long c_end = c + per_group; c < c_end; c++) {  /* no division in the loop */
-        __m512i wv[ROWS][4];  /* 4 vectors of s16 codes */
-        for (int r = 0; r < nrows; r++) {
-            const int8_t *wr = int8_tiled(w, nrows, r, c * CHUNK);  /* tiled (common.h): one stream */
-            _mm_prefetch((const char *)wr + TILE_AHEAD, _MM_HINT_T2);
-            _mm_prefetch((const char *)wr + TILE_AHEAD + 64, _MM_HINT_T2);
-            for (int i = 0; i < 4; i++) wv[r][i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 32 * i)));
-        }
-        for (int m = 0; m < mrows; m++) {
-            __m512 d = _mm512_loadu_ps(xs + (m * C + c) * 16);
-            __m512i xv[4];
-            for (int i = 0; i < 4; i++) xv[i] = _mm512_loadu_si512(xq + m * K + c * CHUNK + 32 * i);
-            for (int r = 0; r < nrows; r++) {
-                __m512i dot = _mm512_setzero_si512();
-                if (small) {  /* vector i's 32 inputs lie in group g + i (groups of 32) or g + i / 2 (64) */
-                    for (int i = 0; i < 4; i++)
-                        total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, wv[r][i], xv[i])),
-                                                      _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g + i * in_chunk / 4])), total[r][m]);
-                    continue;
-                }
-                for (int i = 0; i < 4; i++) dot = _mm512_dpwssd_epi32(dot, wv[r][i], xv[i]);
-                /* the weight scale as a broadcast memory operand: no register held for it */
-                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sw[r][g])), total[r][m]);
-            }
-        }
+/* lanes.h's quantize_int16_row: one activation row's int16 and scales per span */
+static void quantize_int16_row(const uint16_t *x, long K, long span, int16_t *xq, float *xd) {
+    for (long s = 0; s < K / span; s++) {
+        const uint16_t *src = x + s * span;
+        __m512 amax_v = _mm512_setzero_ps();
+        for (long k = 0; k < span; k += 16) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(load16_bf16(src + k)));
+        float amax = _mm512_reduce_max_ps(amax_v), inv = amax > 0.f ? 32767.f / amax : 0.f;
+        xd[s] = amax / 32767.f;
+        for (long k = 0; k < span; k += 16)
+            _mm256_storeu_si256((__m256i *)(xq + s * span + k),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load16_bf16(src + k), _mm512_set1_ps(inv)))));
     }
-    for (int r = 0; r < nrows; r++)
-        for (int m = 0; m < mrows; m++) out[r * XTILE + m] = _mm512_reduce_add_ps(total[r][m]);
 }
 
-#include "int_driver.h"
-#include "lanes.h"  /* the entry points: int4 in lanes, int8 through int_driver.h */
+/* acc += the pairwise products of w's s16 with the s16 pair at x broadcast (an embedded broadcast: no register
+ * and no shuffle for it) */
+static inline __attribute__((always_inline)) void dpwssd_pair(__m512i *acc, __m512i w, const int16_t *x) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)x));
+}
+
+/* lanes.h's lanes_tile_int8: total [mt, LROWS] += one block's int8 products with mt int16 activation rows, a
+ * vpdpwssd per 2 inputs of the block's 16 rows */
+static inline __attribute__((always_inline)) void lanes_tile_int8(
+        const int8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
+        const int16_t *xq, const float *xd, const float *swT, int mt, float *total) {
+    const __mmask16 live = (__mmask16)((1u << bn) - 1);
+    __m512 f[LTILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
+    for (long s0 = k0; s0 < k0 + kc; s0 += span) {
+        long j = s0 / span, g = s0 / gsize;
+        __m512i acc[LTILE];
+        for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_si512();
+        for (long k = s0; k < s0 + span; k += 4) {  /* a cache line of a full block's codes at a time */
+            _mm_prefetch((const char *)(block + k * bn) + TILE_AHEAD, _MM_HINT_T2);
+            for (int i = 0; i < 2; i++) {
+                const int8_t *wk = block + (k + 2 * i) * bn;  /* 2 bn bytes: the rows' codes of 2 inputs */
+                __m512i w = _mm512_cvtepi8_epi16(bn == LROWS ? _mm256_loadu_si256((const __m256i *)wk)
+                                                             : _mm256_maskz_loadu_epi16(live, wk));
+                for (int m = 0; m < mt; m++) dpwssd_pair(&acc[m], w, xq + m * K + k + 2 * i);
+            }
+        }
+        __m512 ws = _mm512_load_ps(swT + g * LROWS);
+        for (int m = 0; m < mt; m++)
+            f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(_mm512_set1_ps(xd[m * S + j]), ws), f[m]);
+    }
+    for (int m = 0; m < mt; m++)
+        _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
+}
+
+#include "lanes.h"  /* the entry points */
 
 #else
 int qlite_vnni_abi(void) { return 0; }

@@ -145,74 +145,6 @@ static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa,
     }
 }
 
-/* the 8 x 8 floats of v, transposed */
-static inline void transpose8(__m256 *v) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
-/* groups g .. g + 7 of a full block's tables, transposed */
-static inline void tables_8(const uint16_t *sn, const uint8_t *zn, long G, long g, float *swT, int32_t *zT) {
-    __m256 s[8], z[8];
-    for (int r = 0; r < 8; r++) s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + r * G + g)));
-    transpose8(s);
-    for (int i = 0; i < 8; i++) _mm256_store_ps(swT + (g + i) * LROWS, s[i]);
-    if (!zn)
-        return;
-    for (int r = 0; r < 8; r++)
-        z[r] = _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + r * G + g))));
-    transpose8(z);
-    for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS), _mm256_castps_si256(z[i]));
-}
-
-/* a full block's tables of G < 8 groups (K = 896 at group 128: 7; int8 by rows: 1): each row's G values read as 8
- * from inside the block's 8 G (a row's start, or 8 G - 8 for the last rows) and moved to lanes 0 .. G - 1 */
-static inline void tables_few(const uint16_t *sn, const uint8_t *zn, long G, float *swT, int32_t *zT) {
-    __m256 s[8], z[8];
-    for (int r = 0; r < 8; r++) {
-        long start = r * G < 8 * G - 8 ? r * G : 8 * G - 8;
-        __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)(r * G - start)));
-        s[r] = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + start))), lanes);
-        if (zn)
-            z[r] = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + start))), lanes));
-    }
-    transpose8(s);
-    for (long i = 0; i < G; i++) _mm256_store_ps(swT + i * LROWS, s[i]);
-    if (!zn)
-        return;
-    transpose8(z);
-    for (long i = 0; i < G; i++) _mm256_store_si256((__m256i *)(zT + i * LROWS), _mm256_castps_si256(z[i]));
-}
-
-/* lanes.h's tables_in_vectors: a whole block's scales (and zero points) 8 groups at a time, transposed; from 8
- * groups on, a last G % 8 as the last 8 again (the overlap rewritten with the same values) */
-static inline long tables_in_vectors(const uint16_t *sn, const uint8_t *zn, long bn, long G, float *swT, int32_t *zT) {
-    if (bn != LROWS)
-        return 0;
-    if (G < 8) {
-        tables_few(sn, zn, G, swT, zT);
-        return G;
-    }
-    long g = 0;
-    for (; g + 8 <= G; g += 8) tables_8(sn, zn, G, g, swT, zT);
-    if (g < G) tables_8(sn, zn, G, G - 8, swT, zT);
-    return G;
-}
-
 /* GCC (12, -O3) otherwise issues all 32 vpmaddubsw of a 32-input step first, spills ~20 of them and sums each
  * row's after (the products are independent): an empty asm that holds the row's sum in a register keeps each
  * product added as it comes. Same bits. Zen 3: the inner tile alone 1.37x (one thread, codes in L1, medians of
@@ -345,9 +277,7 @@ static inline __attribute__((always_inline)) void lanes_tile(
 }
 
 /* int8 in lanes (lanes.h): 8 weight rows a vector as s16, 2 inputs of an activation row (int16) broadcast, a
- * vpmaddwd per 2 inputs; kernels.c keeps int8 by chunks with a scale per 8 inputs (int_driver.h), whose float
- * work per 8 inputs and weight row bounded AVX2's few-row products (BENCHMARKS.md). */
-#define INT8_LANES
+ * vpmaddwd per 2 inputs (kernels.c: 16 rows, vpdpwssd; the same integers) */
 
 /* lanes.h's quantize_int16_row: one activation row's int16 and scales per span */
 static void quantize_int16_row(const uint16_t *x, long K, long span, int16_t *xq, float *xd) {

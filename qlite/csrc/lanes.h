@@ -1,4 +1,4 @@
-/* int4 weights in lanes (and int8 weights, where the kernel file defines INT8_LANES: AVX2): their products at
+/* int4 and int8 weights in lanes: their products at
  * every row count (decode, verification, a batch, prefill), the same in both kernel files (kernels.c: 16 lanes
  * of AVX-512, kernels_avx2.c: 8 of AVX2), and the entry points of the integer-activation products.
  * A product that keeps one dot product in a vector's lanes pays float work per 8 inputs; from a few rows on,
@@ -16,32 +16,24 @@
  *   quantize_lanes_row(x, K, span, xa, xd, xsum)   one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs:
  *     the 4 even, then the 4 odd, as a lanes word's nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S]
  *     (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
- *   tables_in_vectors(sn, zn, bn, G, swT, zT)   the first groups (returned: how many) of the tables lanes_tables
- *     builds from a block's scales sn fp16 [bn, G] and zero points zn uint8 [bn, G] (NULL: none, zT untouched), or 0;
  *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
  *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
  *     above. swT fp32 / zT int32 [G, LROWS]: the block's weight scales and zero points, a group's for all rows.
- * int8 in lanes (INT8_LANES): the codes in blocks of LROWS rows, [K / 2][rows][2 bytes] (a row's codes of inputs
+ * int8 in lanes: the codes in blocks of LROWS rows, [K / 2][rows][2 bytes] (a row's codes of inputs
  * 2 w, 2 w + 1), 2 inputs of an activation row broadcast, one vpmaddwd (s16 x s16, pairs to s32) per 2 inputs of
  * LROWS rows. The activations are int16, absmax / 32767 per row and span; per span sum q xq in int32 (at most
  * 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
  *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
  *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
- * Where the file defines LANES_PAIRS (AVX2, with INT8_LANES), blocks go two at a time where both are full (int4
+ * Where the file defines LANES_PAIRS (AVX2), blocks go two at a time where both are full (int4
  * from 3 rows on, int8 always):
  *   lanes_tile_pair(b0, b1, K, S, span, gsize, k0, kc, xa, xd, xsum, sw0, sw1, z0, z1, mt, t0, t1)   lanes_tile
  *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
  *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
  *     two blocks, mt <= PAIR_TILE_INT8 rows (same bits)
- * Elsewhere (kernels.c) int8 weights take int_driver.h's product: codes tiled by chunks, int16 activations a
- * scale per 8 inputs, included before this. */
+ */
 int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of the layout */
-#ifdef INT8_LANES
-int qlite_int8_lanes(void) { return 1; }  /* native.int8_in_lanes */
-#else
-int qlite_int8_lanes(void) { return 0; }
-#endif
 #define LKC 512  /* inputs per block of float sums */
 #define LMB 256  /* activation rows quantized and taken at a time */
 
@@ -58,22 +50,88 @@ static void tile_lanes(const uint8_t *src, uint8_t *dst, long N, long row_bytes,
     }
 }
 
-/* the tables of the block of rows n.. (bn of them): swT, zT [G, LROWS] as lanes_tile takes them; the file's
- * tables_in_vectors does the groups it can (a transpose), the rest here */
+/* ---- a block's tables: swT fp32 / zT int32 [G, LROWS], its scales and zero points a group's for all rows, made
+ * 8 rows and 8 groups at a time by a transpose (AVX2 intrinsics: both files) ---- */
+
+/* the 8 x 8 floats of v, transposed */
+static inline void transpose8(__m256 *v) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* groups g .. g + 7 of rows r0 .. r0 + 7 of a full block's tables */
+static inline void tables_8(const uint16_t *sn, const uint8_t *zn, long G, long g, int r0, float *swT, int32_t *zT) {
+    __m256 s[8], z[8];
+    for (int r = 0; r < 8; r++) s[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + (r0 + r) * G + g)));
+    transpose8(s);
+    for (int i = 0; i < 8; i++) _mm256_store_ps(swT + (g + i) * LROWS + r0, s[i]);
+    if (!zn)
+        return;
+    for (int r = 0; r < 8; r++)
+        z[r] = _mm256_castsi256_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + (r0 + r) * G + g))));
+    transpose8(z);
+    for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(zT + (g + i) * LROWS + r0), _mm256_castps_si256(z[i]));
+}
+
+/* rows r0 .. r0 + 7 of a full block's tables of G < 8 groups (K = 896 at group 128: 7; int8 by rows: 1): each row's
+ * G values read as 8 from inside the block's LROWS G (the row's start, or LROWS G - 8 for the last rows) and moved
+ * to lanes 0 .. G - 1 */
+static inline void tables_few(const uint16_t *sn, const uint8_t *zn, long G, int r0, float *swT, int32_t *zT) {
+    __m256 s[8], z[8];
+    for (int r = 0; r < 8; r++) {
+        long at = (r0 + r) * G, start = at < LROWS * G - 8 ? at : LROWS * G - 8;
+        __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)(at - start)));
+        s[r] = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + start))), lanes);
+        if (zn)
+            z[r] = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + start))), lanes));
+    }
+    transpose8(s);
+    for (long i = 0; i < G; i++) _mm256_store_ps(swT + i * LROWS + r0, s[i]);
+    if (!zn)
+        return;
+    transpose8(z);
+    for (long i = 0; i < G; i++) _mm256_store_si256((__m256i *)(zT + i * LROWS + r0), _mm256_castps_si256(z[i]));
+}
+
+/* the tables of the block of rows n.. (bn of them) from its scales (fp16 [bn, G]: sn) and zero points (uint8 [N, G],
+ * NULL for int8: no zT); a full block in vectors (past 8 groups a last G % 8 as the last 8 again: the overlap
+ * rewritten with the same values), a partial one element by element */
 static void lanes_tables(const void *scales, const uint16_t *row_scales, const uint8_t *zeros, long n, long bn, long G,
                          uint16_t *room, float *swT, int32_t *zT) {
     const uint16_t *sn = block_fp16_scales(scales, row_scales, n, G, (int)bn, room);  /* int4k: coded scales made fp16 */
-    long done = tables_in_vectors(sn, zeros ? zeros + n * G : NULL, bn, G, swT, zT);
+    const uint8_t *zn = zeros ? zeros + n * G : NULL;
+    if (bn == LROWS) {
+        for (int r0 = 0; r0 < LROWS; r0 += 8) {
+            if (G < 8) { tables_few(sn, zn, G, r0, swT, zT); continue; }
+            for (long g = 0; g + 8 <= G; g += 8) tables_8(sn, zn, G, g, r0, swT, zT);
+            if (G % 8) tables_8(sn, zn, G, G - 8, r0, swT, zT);
+        }
+        return;
+    }
     for (long r = 0; r < LROWS; r++)
-        for (long g = done; g < G; g++) {
+        for (long g = 0; g < G; g++) {
             swT[g * LROWS + r] = r < bn ? _cvtsh_ss(sn[r * G + g]) : 0.f;
-            if (zeros)  /* int8: none, and no table */
-                zT[g * LROWS + r] = r < bn ? zeros[(n + r) * G + g] : 0;
+            if (zn)
+                zT[g * LROWS + r] = r < bn ? zn[r * G + g] : 0;
         }
 }
 
 /* int4: w codes [N, K/2] in lanes, zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8 codes under row_scales);
- * int8 (INT8_LANES): w codes [N, K] in lanes, scales fp16 [N, G], zeros and row_scales NULL; y [M, N]. Threads
+ * int8: w codes [N, K] in lanes, scales fp16 [N, G], zeros and row_scales NULL; y [M, N]. Threads
  * take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
 static void lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
                           const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
@@ -101,9 +159,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
             long rows = M - m0 < LMB ? M - m0 : LMB;
             #pragma omp for schedule(static)
             for (long m = 0; m < rows; m++) {
-#ifdef INT8_LANES
                 if (!int4) { quantize_int16_row(x + (m0 + m) * K, K, span, (int16_t *)xa + m * K, xd + m * S); continue; }
-#endif
                 quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
             }
             /* runs of blocks taken as threads come free, 8 a thread on average: where another process takes a
@@ -148,12 +204,8 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                             const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
                             const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
                             float *tm = total + (b * rows + mt0) * LROWS;
-#ifdef INT8_LANES
                             #define LANES_TILE(MT) do { if (int4) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm); \
                                 else lanes_tile_int8((const int8_t *)block, bn, K, S, span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, dm, sw, MT, tm); } while (0)
-#else
-                            #define LANES_TILE(MT) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm)
-#endif
                             switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
                             case 1: LANES_TILE(1); break;
                             case 2: LANES_TILE(2); break;
@@ -188,38 +240,24 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
     free(xsum);
 }
 
-/* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as the products read them: int4 in
- * lanes, int8 in lanes (INT8_LANES) or tiled by chunks (int_driver.h); native.tile_codes */
+/* codes [N, K] (int8) or [N, K/2] (int4) row-major, as stored -> dst laid out as the products read them, in lanes;
+ * native.tile_codes */
 void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4, int threads) {
-    if (int4) { tile_lanes(src, dst, N, K / 2, 4, threads); return; }
-#ifdef INT8_LANES
-    tile_lanes(src, dst, N, K, 2, threads);
-#else
-    tile_int8_chunks(src, dst, N, K, threads);
-#endif
+    if (int4) tile_lanes(src, dst, N, K / 2, 4, threads);
+    else tile_lanes(src, dst, N, K, 2, threads);
 }
 
-/* the 16 int8 codes of row n from input k (k % 16 == 0) of codes tiled by qlite_tile_codes: at the returned
- * pointer (room when they lie apart) */
+/* the 16 int8 codes of row n from input k (k % 16 == 0) of codes tiled by qlite_tile_codes, copied to room */
 static inline const int8_t *tiled_int8_16(const int8_t *w, long N, long K, long n, long k, int8_t *room) {
-#ifdef INT8_LANES
     long block = n / LROWS * LROWS, bn = N - block < LROWS ? N - block : LROWS;
     for (long i = 0; i < 8; i++) memcpy(room + 2 * i, w + block * K + ((k / 2 + i) * bn + n - block) * 2, 2);
     return room;
-#else
-    (void)room;
-    long block = n / ROWS * ROWS;
-    return int8_tiled(w + block * K, N - block < ROWS ? (int)(N - block) : ROWS, (int)(n - block), k);
-#endif
 }
 
-/* x bf16 [M, K] times w: int4 (zeros not NULL: lanes_product) or int8 (zeros and row_scales NULL: lanes_product
- * with INT8_LANES, else int_driver.h's int8_chunks_product); codes as qlite_tile_codes lays them out */
+/* x bf16 [M, K] times w: int4 (zeros not NULL) or int8 (zeros and row_scales NULL); codes as qlite_tile_codes lays
+ * them out */
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
                      int threads) {
-#ifndef INT8_LANES
-    if (!int4) { int8_chunks_product(x, M, w, scales, G, N, K, bias, y, out_bf16, threads); return; }
-#endif
     lanes_product(x, M, w, scales, row_scales, zeros, int4, G, N, K, bias, y, out_bf16, threads);
 }
