@@ -1,12 +1,13 @@
 /* qlite_decode_attention, the same in both kernel files (kernels.c, kernels_avx2.c): each defines these
- * three vector helpers, then includes this file.
- *   float dot_bf16(const float *q, const uint16_t *k, long n)    sum q[i] k[i], n % 32 == 0
+ * vector helpers, then includes this file.
  *   float dot_f32(const float *q, const float *k, long n)        sum q[i] k[i], n % 32 == 0
+ *   void dots_f32(const float *q, const float *K, long S, long hd, float *scores)
+ *                                                               scores[s] = dot_f32(q, K + s hd, hd), s < S
  *   void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc)
  *                                                               acc += sum_t p[t] V[t, :], hd % 32 == 0
  *   float exp_sum(float *sc, long S, float mx)                   sc[s] = e^(sc[s] - mx) in place; their sum
- *   void mix_bf16(const float *p, const uint16_t *V, long S, long hd, float scale, uint16_t *out)
- *                                                               out = bf16(scale sum_t p[t] V[t, :]), hd % 32 == 0
+ *   float largest(const float *x, long n)                       the largest x[i] (NaNs passed over), as a scan
+ *                                                               from -inf finds it
  *
  * The cache holds one record per (head, token): bf16 [hd] (bits 16), or, for a quantized cache
  * (qlite/kv_quant.py writes the same bytes), codes in groups of 32 values then the groups' fp16 scales
@@ -15,9 +16,10 @@
  * largest |value| / 127 (or 7), rounded to fp16; codes: value / scale rounded to nearest even. A
  * quantized cache stores keys less the head's key offset (k_offset, fp32 [n_kv, hd]; NULL: none), a
  * constant per head that softmax does not see, so the scores are taken on the stored keys as they are. The
- * quantized records are read with plain C loops over 16-wide accumulators, which the compiler
- * vectorizes for the file's instruction set; each record is decoded once for all the query heads that
- * share its kv head. */
+ * records are decoded to fp32 with plain C loops, which the compiler vectorizes for the file's instruction
+ * set, a block of them at a time into a tile that stays in L1, once for all the query heads that share their
+ * kv head (bf16 records too: converting a key once instead of once per query head, and the helpers' FMAs
+ * reading the tile from memory, took 8 rows' attention 1.5x faster, BENCHMARKS.md, twelfth session). */
 
 static inline long kv_record_bytes(int bits, long hd) { return bits == 16 ? 2 * hd : bits * hd / 8 + hd / 16; }
 
@@ -43,8 +45,12 @@ static void kv_encode(const float *x, long hd, int bits, uint8_t *rec) {  /* x: 
     }
 }
 
-/* A record's values, fp32 (plus offset, NULL: none): out[i] = code x scale (+ offset[i]) */
+/* A record's values, fp32 (plus offset, NULL: none): out[i] = bf16 value, or code x scale (+ offset[i]) */
 static inline void decode_record(const uint8_t *rec, int bits, long hd, const float *offset, float *out) {
+    if (bits == 16) {
+        for (long i = 0; i < hd; i++) out[i] = bf16_to_f32(((const uint16_t *)rec)[i]) + (offset ? offset[i] : 0.f);
+        return;
+    }
     const uint16_t *scales = (const uint16_t *)(rec + bits * hd / 8);
     for (long g = 0; g < hd / 32; g++) {
         float s = _cvtsh_ss(scales[g]), *o = out + 32 * g;
@@ -62,23 +68,18 @@ static inline void decode_record(const uint8_t *rec, int bits, long hd, const fl
 #define KV_BLOCK 64  /* records decoded at a time into an fp32 tile (16 KiB at hd 64) */
 
 /* Attention of the rep query heads qr (rotated and scaled, fp32 [rep, hd]) sharing one kv head, over
- * S quantized records rec bytes apart: each key and value record decoded once (into a tile that stays
- * in L1) for all of them; out: bf16 [rep, hd]. buf: room for rep * S + hd * (rep + KV_BLOCK) floats. */
+ * S records rec bytes apart: each key and value record decoded once (into a tile that stays in L1) for all
+ * of them; out: bf16 [rep, hd]. buf: room for rep * S + hd * (rep + KV_BLOCK) floats. */
 static void attend_records(const float *qr, long rep, const uint8_t *K, const uint8_t *V, long S, long rec, int bits,
                            long hd, float *buf, uint16_t *out) {
     float *scores = buf, *acc = buf + rep * S, *tile = acc + rep * hd;
     for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
         long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
         for (long t = 0; t < n; t++) decode_record(K + (t0 + t) * rec, bits, hd, NULL, tile + t * hd);
-        for (long j = 0; j < rep; j++)
-            for (long t = 0; t < n; t++) scores[j * S + t0 + t] = dot_f32(qr + j * hd, tile + t * hd, hd);
+        for (long j = 0; j < rep; j++) dots_f32(qr + j * hd, tile, n, hd, scores + j * S + t0);
     }
     float norm[rep];
-    for (long j = 0; j < rep; j++) {
-        float *sc = scores + j * S, mx = -INFINITY;
-        for (long s = 0; s < S; s++) mx = sc[s] > mx ? sc[s] : mx;
-        norm[j] = 1.f / exp_sum(sc, S, mx);
-    }
+    for (long j = 0; j < rep; j++) norm[j] = 1.f / exp_sum(scores + j * S, S, largest(scores + j * S, S));
     memset(acc, 0, sizeof(float) * rep * hd);
     for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
         long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
@@ -149,7 +150,7 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
             kv_encode(vr, hd, bits, V);
         }
     }
-    #pragma omp for collapse(2) schedule(static)
+    #pragma omp for collapse(2) schedule(dynamic, 1)  /* rows attend over their own lengths: taken as threads come free */
     for (long b = 0; b < B; b++)
     for (long h = 0; h < n_kv; h++) {
         long first = starts ? starts[b] : 0, S = pos + b * pos_step + 1 - first;
@@ -158,23 +159,9 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
         const uint8_t *K = cache_k + b * row_stride + h * capacity * rec + first * rec;
         const uint8_t *V = cache_v + b * row_stride + h * capacity * rec + first * rec;
         float *buf = malloc(sizeof(float) * (rep * S + hd * (2 * rep + KV_BLOCK)));
-        float *qr = buf + rep * S + hd * (rep + KV_BLOCK), *scores = buf;
-        if (bits != 16) {
-            for (long j = 0; j < rep; j++) rope(q + (h * rep + j) * hd, cb, sb, hd, scale, qr + j * hd);
-            attend_records(qr, rep, K, V, S, rec, bits, hd, buf, out + (b * n_head + h * rep) * hd);
-            free(buf);
-            continue;
-        }
-        for (long j = 0; j < rep; j++) {
-            long qh = h * rep + j;
-            rope(q + qh * hd, cb, sb, hd, scale, qr);
-            float *sc = scores + j * S, mx = -INFINITY;
-            for (long s = 0; s < S; s++) {
-                sc[s] = dot_bf16(qr, (const uint16_t *)(K + s * rec), hd);
-                mx = sc[s] > mx ? sc[s] : mx;
-            }
-            mix_bf16(sc, (const uint16_t *)V, S, hd, 1.f / exp_sum(sc, S, mx), out + (b * n_head + qh) * hd);
-        }
+        float *qr = buf + rep * S + hd * (rep + KV_BLOCK);
+        for (long j = 0; j < rep; j++) rope(q + (h * rep + j) * hd, cb, sb, hd, scale, qr + j * hd);
+        attend_records(qr, rep, K, V, S, rec, bits, hd, buf, out + (b * n_head + h * rep) * hd);
         free(buf);
     }
     }

@@ -293,24 +293,71 @@ static inline __m512 round_bf16(__m512 v) {  /* v rounded to bf16, as fp32 */
 #include "norms.h"
 
 /* the helpers of attention.h */
-static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
-    __m512 acc = _mm512_setzero_ps();
-    for (long i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_bf16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
 static inline float dot_f32(const float *q, const float *k, long n) {
     __m512 acc = _mm512_setzero_ps();
     for (long i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
-static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
-    for (long i = 0; i < hd; i += 16) {
-        __m512 a = _mm512_loadu_ps(acc + i);
-        for (long t = 0; t < S; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(V + t * hd + i), a);
-        _mm512_storeu_ps(acc + i, a);
+/* scores[s] = dot_f32(q, K + s hd, hd) for s < S, 16 keys at a time: their 16 sums reduced together, lanes paired
+ * as _mm512_reduce_add_ps pairs them (i and i + 8, then i and i + 4, i and i + 2, i and i + 1), so the same bits as
+ * a key at a time, for 30 shuffles and 15 adds per 16 keys instead of a reduction each */
+static inline void dots_f32(const float *q, const float *K, long S, long hd, float *scores) {
+    const __m512i key_at = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);  /* key i's lane */
+    long s = 0;
+    for (; s + 16 <= S; s += 16) {
+        __m512 a[16], b[8], c[4], d[2];
+        for (int k = 0; k < 16; k++) a[k] = _mm512_setzero_ps();
+        for (long i = 0; i < hd; i += 16) {
+            __m512 qi = _mm512_loadu_ps(q + i);
+            for (int k = 0; k < 16; k++) a[k] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(K + (s + k) * hd + i), a[k]);
+        }
+        for (int k = 0; k < 8; k++)  /* quarters: key k's lanes i + i+8 (i < 8), then key k + 8's */
+            b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[k], a[k + 8], 0x44),
+                                 _mm512_shuffle_f32x4(a[k], a[k + 8], 0xee));
+        for (int k = 0; k < 4; k++)  /* quarters: keys k, k + 8, k + 4, k + 12, each i + i+4 (i < 4) */
+            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88),
+                                 _mm512_shuffle_f32x4(b[k], b[k + 4], 0xdd));
+        for (int k = 0; k < 2; k++)  /* a quarter's 2 keys (from c[k], c[k + 2]), each i + i+2 (i < 2) */
+            d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xee));
+        __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+        _mm512_storeu_ps(scores + s, _mm512_permutexvar_ps(key_at, sums));
     }
+    for (; s < S; s++) scores[s] = dot_f32(q, K + s * hd, hd);
+}
+
+/* acc += sum_t p[t] V[t, :] a record's 64 values (4 vectors) at a time: 4 independent chains of FMAs instead of
+ * one, each vector's sum over t in the same order (the same bits as one at a time). n: 4 vectors, or 2 at the end
+ * of a record of hd % 64 == 32, a constant where inlined: the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void mix_add_n(const float *p, const float *V, long S, long hd, int n,
+                                                             float *acc) {
+    __m512 a[4];
+    for (int c = 0; c < n; c++) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (long t = 0; t < S; t++) {
+        __m512 pt = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < n; c++) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(V + t * hd + 16 * c), a[c]);
+    }
+    for (int c = 0; c < n; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
+    for (long i = 0; i < hd; i += 64) {
+        if (hd - i >= 64) mix_add_n(p, V + i, S, hd, 4, acc + i);
+        else mix_add_n(p, V + i, S, hd, 2, acc + i);
+    }
+}
+
+/* 16 running maxima (max_ps(x, m) is x > m ? x : m, NaN x passed over), then the scan over them: a scan alone is
+ * one chain of dependent max operations, ~4 cycles a score */
+static inline float largest(const float *x, long n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    long s = 0;
+    for (; s + 16 <= n; s += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + s), m);
+    float lanes[16], best = -INFINITY;
+    _mm512_storeu_ps(lanes, m);
+    for (int i = 0; i < 16; i++) best = lanes[i] > best ? lanes[i] : best;
+    for (; s < n; s++) best = x[s] > best ? x[s] : best;
+    return best;
 }
 
 static inline float exp_sum(float *sc, long S, float mx) {
@@ -328,14 +375,6 @@ static inline float exp_sum(float *sc, long S, float mx) {
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
     return _mm512_reduce_add_ps(sum);
-}
-
-static inline void mix_bf16(const float *p, const uint16_t *V, long S, long hd, float scale, uint16_t *out) {
-    for (long i = 0; i < hd; i += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (long t = 0; t < S; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load_bf16(V + t * hd + i), acc);
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, _mm512_set1_ps(scale))));
-    }
 }
 
 #include "attention.h"

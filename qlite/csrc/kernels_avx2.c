@@ -411,24 +411,66 @@ static inline __m256 round_bf16(__m256 v) {  /* v rounded to bf16 (nearest even)
 #include "norms.h"
 
 /* the helpers of attention.h */
-static inline float dot_bf16(const float *q, const uint16_t *k, long n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (long i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_bf16(k + i), acc);
-    return hsum(acc);
-}
-
 static inline float dot_f32(const float *q, const float *k, long n) {
     __m256 acc = _mm256_setzero_ps();
     for (long i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
     return hsum(acc);
 }
 
-static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
-    for (long i = 0; i < hd; i += 8) {
-        __m256 a = _mm256_loadu_ps(acc + i);
-        for (long t = 0; t < S; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(V + t * hd + i), a);
-        _mm256_storeu_ps(acc + i, a);
+/* scores[s] = dot_f32(q, K + s hd, hd) for s < S, 8 keys at a time: their 8 sums reduced together, lanes paired
+ * as hsum pairs them (i and i + 4, then i and i + 2, i and i + 1), so the same bits as a key at a time */
+static inline void dots_f32(const float *q, const float *K, long S, long hd, float *scores) {
+    const __m256i key_at = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);  /* key i's lane */
+    long s = 0;
+    for (; s + 8 <= S; s += 8) {
+        __m256 a[8], b[4], c[2];
+        for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+        for (long i = 0; i < hd; i += 8) {
+            __m256 qi = _mm256_loadu_ps(q + i);
+            for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(K + (s + k) * hd + i), a[k]);
+        }
+        for (int k = 0; k < 4; k++)  /* halves: keys k, k + 4, each i + i+4 (i < 4) */
+            b[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20), _mm256_permute2f128_ps(a[k], a[k + 4], 0x31));
+        for (int k = 0; k < 2; k++)  /* a half's 2 keys (from b[k], b[k + 2]), each i + i+2 (i < 2) */
+            c[k] = _mm256_add_ps(_mm256_shuffle_ps(b[k], b[k + 2], 0x44), _mm256_shuffle_ps(b[k], b[k + 2], 0xee));
+        __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+        _mm256_storeu_ps(scores + s, _mm256_permutevar8x32_ps(sums, key_at));
     }
+    for (; s < S; s++) scores[s] = dot_f32(q, K + s * hd, hd);
+}
+
+/* 32 values (4 vectors) at a time: 4 independent chains of FMAs instead of one, each vector's sum over t in the
+ * same order (the same bits as one at a time) */
+static inline void mix_add_f32(const float *p, const float *V, long S, long hd, float *acc) {
+    for (long i = 0; i < hd; i += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + i + 16), a3 = _mm256_loadu_ps(acc + i + 24);
+        for (long t = 0; t < S; t++) {
+            __m256 pt = _mm256_set1_ps(p[t]);
+            const float *v = V + t * hd + i;
+            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(acc + i, a0);
+        _mm256_storeu_ps(acc + i + 8, a1);
+        _mm256_storeu_ps(acc + i + 16, a2);
+        _mm256_storeu_ps(acc + i + 24, a3);
+    }
+}
+
+/* 8 running maxima (max_ps(x, m) is x > m ? x : m, NaN x passed over), then the scan over them: a scan alone is
+ * one chain of dependent max operations, ~4 cycles a score */
+static inline float largest(const float *x, long n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    long s = 0;
+    for (; s + 8 <= n; s += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + s), m);
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    for (; s < n; s++) best = x[s] > best ? x[s] : best;
+    return best;
 }
 
 static inline float exp_sum(float *sc, long S, float mx) {
@@ -441,14 +483,6 @@ static inline float exp_sum(float *sc, long S, float mx) {
     }
     for (; s < S; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
     return sum;
-}
-
-static inline void mix_bf16(const float *p, const uint16_t *V, long S, long hd, float scale, uint16_t *out) {
-    for (long i = 0; i < hd; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (long t = 0; t < S; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load_bf16(V + t * hd + i), acc);
-        store_bf16(out + i, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
-    }
 }
 
 #include "attention.h"

@@ -1,6 +1,6 @@
-/* int4 and int8 weights in lanes: their products at
- * every row count (decode, verification, a batch, prefill), the same in both kernel files (kernels.c: 16 lanes
- * of AVX-512, kernels_avx2.c: 8 of AVX2), and the entry points of the integer-activation products.
+/* int4 and int8 weights in lanes: their products at every row count (decode, verification, a batch, prefill), the
+ * same in both kernel files (kernels.c: 16 lanes of AVX-512, kernels_avx2.c: 8 of AVX2), and the entry points of
+ * the integer-activation products.
  * A product that keeps one dot product in a vector's lanes pays float work per 8 inputs; from a few rows on,
  * that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). Here the
  * lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4 bytes] (a row's 4
@@ -21,9 +21,9 @@
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
  *     above. swT fp32 / zT int32 [G, LROWS]: the block's weight scales and zero points, a group's for all rows.
  * int8 in lanes: the codes in blocks of LROWS rows, [K / 2][rows][2 bytes] (a row's codes of inputs
- * 2 w, 2 w + 1), 2 inputs of an activation row broadcast, one vpmaddwd (s16 x s16, pairs to s32) per 2 inputs of
- * LROWS rows. The activations are int16, absmax / 32767 per row and span; per span sum q xq in int32 (at most
- * 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
+ * 2 w, 2 w + 1), 2 inputs of an activation row broadcast, one vpdpwssd (AVX2: vpmaddwd and vpaddd; s16 x s16,
+ * pairs to s32) per 2 inputs of LROWS rows. The activations are int16, absmax / 32767 per row and span; per span
+ * sum q xq in int32 (at most 128 x 128 x 32767 < 2^31), then the float steps above. The file then defines
  *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
  *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
  * Where the file defines LANES_PAIRS (AVX2), blocks go two at a time where both are full (int4
@@ -33,7 +33,7 @@
  *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
  *     two blocks, mt <= PAIR_TILE_INT8 rows (same bits)
  */
-int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of the layout */
+int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of either layout */
 #define LKC 512  /* inputs per block of float sums */
 #define LMB 256  /* activation rows quantized and taken at a time */
 

@@ -289,11 +289,12 @@ def rope_angles(position: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
 
 
-@pytest.mark.parametrize("n_head, n_kv", [(14, 2), (4, 4)])
-def test_decode_attention_matches_sdpa(n_head, n_kv):
+@pytest.mark.parametrize("n_head, n_kv, hd", [(14, 2, 64), (4, 4, 64), (4, 2, 96), (6, 2, 32)])
+def test_decode_attention_matches_sdpa(n_head, n_kv, hd):
     """A batch of rows, each with its own position and its own first key (left padding): each row
-    against torch's attention over exactly its keys."""
-    B, hd, capacity, pos = 3, 64, 100, 70
+    against torch's attention over exactly its keys (71, 62 and 1 of them: blocks of 16 keys and the rest;
+    head sizes of 4 vectors of 16, 4 and 2, 2)."""
+    B, capacity, pos = 3, 100, 70
     starts = torch.tensor([0, 9, 70])  # the last row: its new token only
     qkv = torch.randn(B, (n_head + 2 * n_kv) * hd, generator=gen(0)).bfloat16()
     cache_k = torch.randn(B, n_kv, capacity, hd, generator=gen(1)).bfloat16()
