@@ -145,7 +145,9 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
     int pairs = 0;
 #endif
     long group = M > 16 ? LGROUP : pairs ? 2 : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
-    long share = (N + step - 1) / step / (8 * threads) + 1;  /* iterations a thread takes at a time */
+    /* iterations a thread takes at a time: 8 runs a thread on average; 2 for a batch's few rows, whose weights stream
+     * better in longer runs (1.04-1.11x at 3-16 rows, BENCHMARKS.md, twelfth session) */
+    long share = (N + step - 1) / step / ((M > 2 && M <= 16 ? 2 : 8) * threads) + 1;
     int8_t *xa = malloc(rows_max * K * (int4 ? 1 : 2));  /* int16 for int8 weights */
     float *xd = malloc(sizeof(float) * rows_max * S);
     int32_t *xsum = malloc(sizeof(int32_t) * rows_max * S);
@@ -162,7 +164,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                 if (!int4) { quantize_int16_row(x + (m0 + m) * K, K, span, (int16_t *)xa + m * K, xd + m * S); continue; }
                 quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
             }
-            /* runs of blocks taken as threads come free, 8 a thread on average: where another process takes a
+            /* runs of blocks taken as threads come free (share above): where another process takes a
              * core for a while, the other threads take its share instead of waiting for it at the end */
             #pragma omp for schedule(dynamic, share)
             for (long n = 0; n < N; n += step) {
