@@ -636,13 +636,17 @@ def main(argv=None) -> int:
 
 
 def _error(message: str) -> None:
-    """One line on stderr, on a line of its own: a progress bar that an exception left open (even one
-    interrupted while it was being built) is closed first, which ends its line."""
+    """One line on stderr, on a line of its own: a progress bar that an exception left open is closed first,
+    which ends its line. A bar interrupted while it was being built, after its first display but before it
+    noted the time of that display, is one that tqdm's close() leaves as it is: its line is ended here."""
     bars = sys.modules.get("tqdm.std")
     if bars is not None:
         for bar in list(getattr(bars.tqdm, "_instances", ())):
+            half_built = getattr(bar, "sp", None) is not None and not hasattr(bar, "last_print_t")
             try:
                 bar.close()
+                if half_built:
+                    bar.fp.write("\n")
             except Exception:  # a bar that cannot close (its stream gone) must not hide the error
                 pass
     click.echo(f"error: {message}", err=True)

@@ -149,3 +149,16 @@ def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alon
     assert main(["x"]) == 130
     err = capsys.readouterr().err
     assert "quantize" in err and err.splitlines()[-1] == "error: interrupted"
+
+
+def test_an_error_ends_the_line_of_a_bar_interrupted_while_it_was_being_built(capsys):
+    """A signal between a bar's first display and the end of its constructor leaves a bar whose close()
+    writes nothing (tqdm returns early without the time of a display): the error still gets its own line."""
+    from tqdm import tqdm
+
+    from qlite import cli
+
+    bar = tqdm(total=15, desc="quantize", unit="tensor", file=sys.stderr)  # displayed at once
+    del bar.last_print_t  # where such a signal leaves it
+    cli._error("interrupted")
+    assert capsys.readouterr().err.splitlines()[-1] == "error: interrupted"
