@@ -146,7 +146,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
 #endif
     long group = M > 16 ? LGROUP : pairs ? 2 : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
     /* iterations a thread takes at a time: 8 runs a thread on average; 2 for a batch's few rows, whose weights stream
-     * better in longer runs (1.04-1.11x at 3-16 rows, BENCHMARKS.md, twelfth session) */
+     * better in longer runs (1.04-1.09x at 8 rows on AVX-512, BENCHMARKS.md, twelfth session) */
     long share = (N + step - 1) / step / ((M > 2 && M <= 16 ? 2 : 8) * threads) + 1;
     int8_t *xa = malloc(rows_max * K * (int4 ? 1 : 2));  /* int16 for int8 weights */
     float *xd = malloc(sizeof(float) * rows_max * S);

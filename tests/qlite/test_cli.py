@@ -132,9 +132,11 @@ def test_ctrl_c_that_a_library_turns_into_another_error_is_an_interrupt(capsys, 
     assert "ValueError: plain bug" in capsys.readouterr().err
 
 
-def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alone(capsys, monkeypatch):
+@pytest.mark.parametrize("in_constructor", [False, True])
+def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alone(capsys, monkeypatch, in_constructor):
     """A signal that lands while a bar is being built (before its `with` closes it) left the bar's line
-    open, and the error line was glued to it: the bar is ended first."""
+    open, and the error line was glued to it: the bar is ended first. in_constructor: the signal came
+    between the bar's first display and the end of its constructor, where tqdm's close() writes nothing."""
     import qlite.cli
     from tqdm import tqdm
 
@@ -143,6 +145,8 @@ def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alon
         def main(args, prog_name, standalone_mode):
             bar = tqdm(total=15, desc="quantize", unit="tensor", mininterval=0)  # drawn, never closed
             assert bar.n == 0  # held by this frame, as a half-built one was
+            if in_constructor:
+                del bar.last_print_t  # where such a signal leaves it
             raise KeyboardInterrupt
 
     monkeypatch.setattr(qlite.cli, "cli", InterruptedMidBar)
@@ -150,15 +154,3 @@ def test_an_interrupt_that_leaves_a_progress_bar_open_still_prints_its_line_alon
     err = capsys.readouterr().err
     assert "quantize" in err and err.splitlines()[-1] == "error: interrupted"
 
-
-def test_an_error_ends_the_line_of_a_bar_interrupted_while_it_was_being_built(capsys):
-    """A signal between a bar's first display and the end of its constructor leaves a bar whose close()
-    writes nothing (tqdm returns early without the time of a display): the error still gets its own line."""
-    from tqdm import tqdm
-
-    from qlite import cli
-
-    bar = tqdm(total=15, desc="quantize", unit="tensor", file=sys.stderr)  # displayed at once
-    del bar.last_print_t  # where such a signal leaves it
-    cli._error("interrupted")
-    assert capsys.readouterr().err.splitlines()[-1] == "error: interrupted"
