@@ -234,6 +234,8 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
     2 inputs, likewise with an int32 add."""
     if not native.vnni_ready():
         raise click.ClickException("--peak measures the integer-activation kernels: this CPU has none")
+    if native.isa() == "avxvnni":  # its mix (vpdpbusd ymm) has no peak_rate.c kernel
+        raise click.ClickException("--peak measures the avx512 and avx2 kernels' mixes: QLITE_NATIVE_ISA=avx2 here")
     avx2 = native.isa() == "avx2"
     rates = peak_rates(threads, avx2=avx2)
     team = f"{threads} thread{'s' if threads > 1 else ''} at once"

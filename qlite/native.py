@@ -2,10 +2,11 @@
 their canonical layouts, dequantization to bf16 for prefill, and the small ops of a decode step (RMSNorm,
 SiLU * up, rotary + KV-cache write + attention, argmax). One source per instruction set (ISAS):
 csrc/kernels.c for CPUs with AVX-512 BF16 (its integer-activation products need AVX-512 VNNI too),
-csrc/kernels_avx2.c for AVX2 + FMA CPUs (the same functions and numerics, 8 floats a vector). The best
+csrc/kernels_avx2.c for AVX2 + FMA CPUs (the same functions and numerics, 8 floats a vector), built with
+AVX-VNNI's multiply-adds where the CPU has them (avxvnni: the same integers, so the same bits). The best
 one the CPU runs is compiled on first use with the system C compiler into qlite's cache and loaded with
-ctypes; OpenMP comes from torch's own libgomp, already loaded. QLITE_NATIVE_ISA=avx2 forces the AVX2
-kernels (to measure them on a newer CPU). QLITE_NATIVE=0, no compiler, or a CPU with neither:
+ctypes; OpenMP comes from torch's own libgomp, already loaded. QLITE_NATIVE_ISA=avx2 (or avxvnni) forces
+those kernels (to measure them on a newer CPU). QLITE_NATIVE=0, no compiler, or a CPU with neither:
 `library()` is None and the aten kernels run instead."""
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from .system import cache_dir, cpu_flags
 CSRC = Path(__file__).parent / "csrc"
 ISAS = {  # name: (the CPU flags it needs, its source, its compiler flags), best first
     "avx512": ({"avx512_bf16", "avx512bw", "avx512vl", "f16c"}, "kernels.c", ["-march=native"]),
+    # AVX2 with AVX-VNNI (Intel's client CPUs from Alder Lake): kernels_avx2.c with vpdpbusd / vpdpwssd on 8 lanes
+    "avxvnni": ({"avx2", "fma", "f16c", "avx_vnni"}, "kernels_avx2.c", ["-march=x86-64-v3", "-mavxvnni", "-mtune=native"]),
     "avx2": ({"avx2", "fma", "f16c"}, "kernels_avx2.c", ["-march=x86-64-v3", "-mtune=native"]),
 }
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -96,28 +99,38 @@ def _loaded_isa() -> str | None:
     return None if library() is None else library().isa
 
 
+def _avx2_kernels() -> bool:
+    """Whether the loaded kernels are kernels_avx2.c's (a CPU without AVX-512 BF16, or one forced to them)."""
+    return _loaded_isa() is not None and ISAS[_loaded_isa()][1] == "kernels_avx2.c"
+
+
 def matmul_dtype() -> torch.dtype:
     """The dtype of prefill's matmuls on dequantized weights: bf16 beside the AVX-512 kernels (a CPU with
     bf16 arithmetic), float32 beside the AVX2 ones (there torch's bf16 matmul is 3.6x slower than its
     float32 one: 56 against 202 GFLOP/s, 512 x 896 x 4864, torch limited to AVX2 on this machine)."""
-    return torch.float32 if _loaded_isa() == "avx2" else torch.bfloat16
+    return torch.float32 if _avx2_kernels() else torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    """The kernels for isa(), built on first use; None where they cannot be (the aten kernels run)."""
+    """The kernels for isa(), built on first use; where they cannot be built (a compiler without -mavxvnni),
+    the next instruction set the CPU runs, unless one was forced; None where none can (the aten kernels run)."""
     name = isa()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if name is None or compiler is None:
         return None
-    _, source, flags = ISAS[name]
+    names = list(ISAS)[list(ISAS).index(name):] if not os.environ.get("QLITE_NATIVE_ISA") else [name]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = [(CSRC / source).read_text(), *(h.read_text() for h in sorted(CSRC.glob("*.h")))]  # and what it includes
-    key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__]).encode())
-    try:
-        return load(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16]), name)
-    except (OSError, subprocess.SubprocessError):
-        return None
+    for name in (n for n in names if ISAS[n][0] <= cpu_flags()):
+        _, source, flags = ISAS[name]
+        sources = [(CSRC / source).read_text(), *(h.read_text() for h in sorted(CSRC.glob("*.h")))]  # and its headers
+        key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__])
+                             .encode())
+        try:
+            return load(build(compiler, CSRC / source, flags, cache_dir() / "native" / key.hexdigest()[:16]), name)
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
 
 
 def load(path: Path, name: str) -> ctypes.CDLL | None:
@@ -263,7 +276,7 @@ def vnni_max_rows() -> int:
     one matmul; int4 weights take their product in lanes at every row count): 16 beside AVX-512's bf16
     matmuls; every row count beside AVX2's float32 ones, which they beat at any row count (512 rows of the
     demo's int8 gate_up / down: 1.2-1.6x, BENCHMARKS.md "AVX2 kernels")."""
-    return sys.maxsize if _loaded_isa() == "avx2" else VNNI_MAX_ROWS
+    return sys.maxsize if _avx2_kernels() else VNNI_MAX_ROWS
 
 
 def vnni_fits(in_features: int, group_size: int) -> bool:

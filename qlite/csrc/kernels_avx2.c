@@ -8,7 +8,9 @@
  *     activations a scale per span (kernels.c: per 8 inputs), vpmaddwd (s16 x s16);
  *   dequantization to bf16 (rounded to nearest even) for prefill;
  *   the small ops of a decode step (RMSNorm, SiLU * up, rotary + KV-cache write + attention, argmax).
- * Built by native.py: cc -O3 -march=x86-64-v3 -fopenmp -shared; without AVX2, abi() says 0. */
+ * Built by native.py: cc -O3 -march=x86-64-v3 -fopenmp -shared; without AVX2, abi() says 0. With -mavxvnni (a CPU
+ * with AVX-VNNI: Intel's client cores from Alder Lake) the integer products take vpdpbusd / vpdpwssd on 8 lanes
+ * in place of vpmaddubsw + vpmaddwd / vpmaddwd + vpaddd: the same integers, the same bits. */
 #include "common.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -164,6 +166,30 @@ static inline __attribute__((always_inline)) void lanes_tile_part(
         __m256i acc[INT4_TILE];
         __m256i zv = _mm256_load_si256((const __m256i *)(zT + g * LROWS));
         for (int m = 0; m < mt; m++) acc[m] = _mm256_mullo_epi32(zv, _mm256_set1_epi32(-xsum[m * S + j]));
+#ifdef __AVXVNNI__  /* kernels.c's tile on 8 lanes: a vpdpbusd per 4 inputs, two sums a row (halved chains) */
+        __m256i acc2[INT4_TILE];
+        for (int m = 0; m < mt; m++) acc2[m] = _mm256_setzero_si256();
+        const uint8_t *wk = block + s0 / 8 * bn * 4;  /* LROWS rows' 8 codes a word, 2 words a pass */
+        const int8_t *xk = xa + s0;
+        for (long k = 0; k < span; k += 16, wk += 8 * bn, xk += 16) {
+            _mm_prefetch((const char *)wk + TILE_AHEAD, _MM_HINT_T2);
+            for (int h = 0; h < 2; h++) {
+                __m256i codes = bn == LROWS ? _mm256_loadu_si256((const __m256i *)(wk + 4 * h * bn))
+                                            : _mm256_maskload_epi32((const int *)(wk + 4 * h * bn), live);
+                __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+                for (int m = 0; m < mt; m++) {
+                    int32_t even, odd;
+                    memcpy(&even, xk + m * K + 8 * h, 4);
+                    memcpy(&odd, xk + m * K + 8 * h + 4, 4);
+                    acc[m] = _mm256_dpbusd_avx_epi32(acc[m], lo, _mm256_set1_epi32(even));
+                    acc2[m] = _mm256_dpbusd_avx_epi32(acc2[m], hi, _mm256_set1_epi32(odd));
+                    KEEP_IN_REGISTER(acc[m]);
+                    KEEP_IN_REGISTER(acc2[m]);
+                }
+            }
+        }
+        for (int m = 0; m < mt; m++) acc[m] = _mm256_add_epi32(acc[m], acc2[m]);
+#else
         for (long k = s0; k < s0 + span; k += 32) {
             __m256i p[INT4_TILE];
             for (int m = 0; m < mt; m++) p[m] = _mm256_setzero_si256();
@@ -183,6 +209,7 @@ static inline __attribute__((always_inline)) void lanes_tile_part(
             }
             for (int m = 0; m < mt; m++) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], ones));
         }
+#endif
         __m256 ws = _mm256_load_ps(swT + g * LROWS);
         for (int m = 0; m < mt; m++)
             f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(_mm256_set1_ps(xd[m * S + j]), ws), f[m]);
@@ -219,6 +246,11 @@ static inline __attribute__((always_inline)) void pair_totals(const __m256 *f0, 
  * int4-g128 0.98-1.10x at 3-8 rows, g32 / g64 / int4k 1.10-1.29x at 8-16, 1.14-1.31x at 128. */
 #define PAIR_TILE 3
 #define LANES_PAIRS
+#ifdef __AVXVNNI__
+#define INT4_PAIRS 0  /* int4 in lanes_tile only (the pair tile is vpmaddubsw's, not written for vpdpbusd) */
+#else
+#define INT4_PAIRS 1
+#endif
 static inline __attribute__((always_inline)) void lanes_tile_pair(
         const uint8_t *b0, const uint8_t *b1, long K, long S, long span, long gsize, long k0, long kc,
         const int8_t *xa, const float *xd, const int32_t *xsum, const float *sw0, const float *sw1,
@@ -271,13 +303,29 @@ static inline __attribute__((always_inline)) void lanes_tile_pair(
 static inline __attribute__((always_inline)) void lanes_tile(
         const uint8_t *block, long bn, long K, long S, long span, long gsize, long k0, long kc,
         const int8_t *xa, const float *xd, const int32_t *xsum, const float *swT, const int32_t *zT, int mt, float *total) {
-    for (int m0 = 0; m0 < mt; m0 += INT4_TILE)
-        lanes_tile_part(block, bn, K, S, span, gsize, k0, kc, xa + m0 * K, xd + m0 * S, xsum + m0 * S, swT, zT,
-                        mt - m0 < INT4_TILE ? mt - m0 : INT4_TILE, total + m0 * LROWS);
+    for (int m0 = 0; m0 < mt; m0 += INT4_TILE) {
+        int rows = mt - m0 < INT4_TILE ? mt - m0 : INT4_TILE;
+        if (bn == LROWS)  /* a full block: its own copy, no mask in the loop */
+            lanes_tile_part(block, LROWS, K, S, span, gsize, k0, kc, xa + m0 * K, xd + m0 * S, xsum + m0 * S, swT, zT,
+                            rows, total + m0 * LROWS);
+        else
+            lanes_tile_part(block, bn, K, S, span, gsize, k0, kc, xa + m0 * K, xd + m0 * S, xsum + m0 * S, swT, zT,
+                            rows, total + m0 * LROWS);
+    }
 }
 
 /* int8 in lanes (lanes.h): 8 weight rows a vector as s16, 2 inputs of an activation row (int16) broadcast, a
- * vpmaddwd per 2 inputs (kernels.c: 16 rows, vpdpwssd; the same integers) */
+ * vpmaddwd per 2 inputs (kernels.c: 16 rows, vpdpwssd; the same integers; AVX-VNNI: vpdpwssd) */
+
+/* acc + the pairwise s16 products of w and x, summed in s32 lanes (wrapping): vpdpwssd where the CPU has AVX-VNNI,
+ * else vpmaddwd and vpaddd (the same integers) */
+static inline __attribute__((always_inline)) __m256i madd_pairs(__m256i acc, __m256i w, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
 
 /* lanes.h's quantize_int16_row: one activation row's int16 and scales per span */
 static void quantize_int16_row(const uint16_t *x, long K, long span, int16_t *xq, float *xd) {
@@ -314,7 +362,7 @@ static inline __attribute__((always_inline)) void lanes_tile_int8(
                 for (int m = 0; m < mt; m++) {
                     int32_t pair;
                     memcpy(&pair, xq + m * K + k + 2 * i, 4);
-                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+                    acc[m] = madd_pairs(acc[m], w, _mm256_set1_epi32(pair));
                 }
             }
         }
@@ -351,9 +399,9 @@ static inline __attribute__((always_inline)) void lanes_tile_int8_pair(
                     int32_t pair;
                     memcpy(&pair, xq + m * K + k + 2 * i, 4);
                     __m256i x = _mm256_set1_epi32(pair);
-                    a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(w0, x));
+                    a0[m] = madd_pairs(a0[m], w0, x);
                     KEEP_IN_REGISTER(a0[m]);
-                    a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(w1, x));
+                    a1[m] = madd_pairs(a1[m], w1, x);
                     KEEP_IN_REGISTER(a1[m]);
                 }
             }

@@ -27,7 +27,7 @@
  *   quantize_int16_row(x, K, span, xq, xd)   x bf16 [K] -> xq int16 [K] in k order, xd fp32 [S] (absmax / 32767)
  *   lanes_tile_int8(block, bn, K, S, span, gsize, k0, kc, xq, xd, swT, mt, total)   as lanes_tile, no zero points
  * Where the file defines LANES_PAIRS (AVX2), blocks go two at a time where both are full (int4
- * from 3 rows on, int8 always):
+ * from 3 rows on where it defines INT4_PAIRS 1, int8 always):
  *   lanes_tile_pair(b0, b1, K, S, span, gsize, k0, kc, xa, xd, xsum, sw0, sw1, z0, z1, mt, t0, t1)   lanes_tile
  *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
  *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
@@ -138,9 +138,9 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                           int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
 #ifdef LANES_PAIRS
-    /* int4's pair tile from 3 rows (at 1-2, weights from memory, it measured 0.91x), int8's at any row count (1.01-1.10x
-     * at 1 row, 1.32-1.51x at 2) */
-    int pairs = int4 ? M > 2 : 1;
+    /* int4's pair tile from 3 rows (at 1-2, weights from memory, it measured 0.91x; INT4_PAIRS 0: never), int8's at any
+     * row count (1.01-1.10x at 1 row, 1.32-1.51x at 2) */
+    int pairs = int4 ? INT4_PAIRS && M > 2 : 1;
 #else
     int pairs = 0;
 #endif

@@ -88,6 +88,9 @@ def test_peak_table():
     if not native.vnni_ready():
         pytest.skip("no integer-activation kernels")
     r = CliRunner().invoke(kernel_bench.main, ["--peak", "--rows", "1,2", "--calls", "2", "--threads", "1"])
+    if native.isa() == "avxvnni":  # no peak_rate.c kernel for its mix: said, not measured against another's
+        assert r.exit_code == 1 and "QLITE_NATIVE_ISA=avx2" in r.output, r.output
+        return
     assert r.exit_code == 0, r.output
     first = "one core: vpmaddubsw ymm " if native.isa() == "avx2" else "one core: vpdpbusd zmm "
     assert r.output.startswith(first) and "int8 product's at most" in r.output, r.output

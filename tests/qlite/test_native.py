@@ -33,9 +33,13 @@ def isa(native_isa):
     ({"avx512_bf16", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "", "avx512"),
     ({"avx512_bf16", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2", "avx2"),
     ({"avx2", "fma", "f16c"}, "", "avx2"),  # an AVX2 laptop
+    ({"avx2", "fma", "f16c", "avx_vnni"}, "", "avxvnni"),  # an Intel laptop from Alder Lake on
+    ({"avx512_bf16", "avx512bw", "avx512vl", "avx2", "fma", "f16c", "avx_vnni"}, "", "avx512"),
+    ({"avx2", "fma", "f16c", "avx_vnni"}, "avx2", "avx2"),
+    ({"avx2", "fma", "f16c"}, "avxvnni", "this CPU lacks avx_vnni"),
     ({"avx2", "f16c"}, "", None),  # no FMA: torch's kernels
     ({"avx2", "fma", "f16c"}, "avx512", "this CPU lacks avx512_bf16, avx512bw, avx512vl"),
-    ({"avx2", "fma", "f16c"}, "sse", "not one of avx512, avx2"),
+    ({"avx2", "fma", "f16c"}, "sse", "not one of avx512, avxvnni, avx2"),
 ])
 def test_dispatch_takes_the_best_isa_the_cpu_has_or_the_forced_one(monkeypatch, flags, forced, want):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
@@ -59,16 +63,20 @@ def test_auto_dtype_is_bf16_where_the_cpu_or_the_native_kernels_take_it(monkeypa
     assert loader.resolve_dtype("auto", torch.device("cpu")) == want
 
 
-def test_the_avx2_kernels_use_no_avx512_instruction(monkeypatch):
-    """What runs on an AVX2-only CPU: the library built for avx2 touches no zmm register."""
+@pytest.mark.parametrize("built", ["avx2", "avxvnni"])
+def test_the_avx2_kernels_use_no_avx512_instruction(monkeypatch, built):
+    """What runs on an AVX2-only CPU: the library built for avx2 touches no zmm register and has no VNNI
+    instruction; the one built for avxvnni takes AVX-VNNI's (VEX) multiply-adds."""
     objdump = shutil.which("objdump")
-    if not native.ISAS["avx2"][0] <= native.cpu_flags() or objdump is None:
-        pytest.skip("needs a CPU with AVX2 and objdump")
-    monkeypatch.setenv("QLITE_NATIVE_ISA", "avx2")
+    if not native.ISAS[built][0] <= native.cpu_flags() or objdump is None:
+        pytest.skip(f"needs a CPU with {built} and objdump")
+    monkeypatch.setenv("QLITE_NATIVE_ISA", built)
     native.library.cache_clear()
     path = native.library()._name
     code = subprocess.run([objdump, "-d", path], capture_output=True, text=True, check=True).stdout
     assert "vfmadd" in code and "ymm" in code and "zmm" not in code
+    assert ("{vex} vpdpbusd" in code and "{vex} vpdpwssd" in code) == (built == "avxvnni")
+    assert ("vpdpbusd" in code) == (built == "avxvnni")
 
 
 def gen(seed):
@@ -173,8 +181,9 @@ def test_int4_product_at_prefill_rows_is_the_product_with_integer_activations(fm
 
 @pytest.mark.parametrize("fmt", [Int4(128), Int4(32), Int4K(64), Int8(None), Int8(32)], ids=str)
 def test_both_instruction_sets_give_the_same_bits(fmt, isa, monkeypatch):
-    """lanes.h: the same integers and float steps on AVX-512 (16 weight rows a vector) and AVX2 (8), so a
-    checkpoint decodes to the same bits on either (at 1-37 rows, a weight of partial blocks on both)."""
+    """lanes.h: the same integers and float steps on AVX-512 (16 weight rows a vector) and AVX2 (8; with AVX-VNNI's
+    multiply-adds or without), so a checkpoint decodes to the same bits on any (at 1-37 rows, a weight of partial
+    blocks on both)."""
     if isa != "avx512":
         pytest.skip("compared once, from the AVX-512 run (a CPU that runs both)")
     K, n = 768, 40
@@ -189,11 +198,14 @@ def test_both_instruction_sets_give_the_same_bits(fmt, isa, monkeypatch):
                                       stored.get("row_scales"))
         return [product(x[:rows]) for rows in (1, 3, 8, 37)]
     on_avx512 = products()
-    monkeypatch.setenv("QLITE_NATIVE_ISA", "avx2")
-    native.library.cache_clear()
-    assert native.lanes_rows() == 8
-    for got, want in zip(products(), on_avx512):
-        assert torch.equal(got, want)
+    others = [name for name in native.ISAS if name != "avx512" and native.ISAS[name][0] <= native.cpu_flags()]
+    assert others  # a CPU with AVX-512 BF16 has AVX2
+    for other in others:
+        monkeypatch.setenv("QLITE_NATIVE_ISA", other)
+        native.library.cache_clear()
+        assert native.lanes_rows() == 8
+        for got, want in zip(products(), on_avx512):
+            assert torch.equal(got, want), other
 
 
 def test_int4_product_takes_more_rows_than_one_block():
@@ -228,7 +240,7 @@ def test_a_prefill_takes_the_integer_products(isa, fmt):
     if isinstance(fmt, Int4):
         assert torch.equal(kernel(x), integer)
     else:
-        assert torch.equal(kernel(x), integer) == (isa == "avx2")
+        assert torch.equal(kernel(x), integer) == (isa != "avx512")
         assert kernel.max_rows == (native.VNNI_MAX_ROWS if isa == "avx512" else sys.maxsize)
 
 
