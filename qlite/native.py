@@ -78,6 +78,11 @@ def build(compiler: str, source: Path, flags: list[str], out_dir: Path) -> Path:
     return lib
 
 
+def isas_here() -> list[str]:
+    """The instruction sets of ISAS whose flags this CPU has, best first."""
+    return [name for name, (needs, _, _) in ISAS.items() if needs <= cpu_flags()]
+
+
 def isa() -> str | None:
     """The instruction set whose kernels run here: QLITE_NATIVE_ISA (an error if the CPU lacks it), else
     the best the CPU has; None with QLITE_NATIVE=0 or neither."""
@@ -85,7 +90,7 @@ def isa() -> str | None:
         return None
     wanted = os.environ.get("QLITE_NATIVE_ISA", "")
     if not wanted:
-        return next((name for name, (needs, _, _) in ISAS.items() if needs <= cpu_flags()), None)
+        return next(iter(isas_here()), None)
     if wanted not in ISAS:
         raise QliteError(f"QLITE_NATIVE_ISA={wanted}: not one of {', '.join(ISAS)}")
     missing = ISAS[wanted][0] - cpu_flags()
@@ -119,9 +124,8 @@ def library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if name is None or compiler is None:
         return None
-    names = list(ISAS)[list(ISAS).index(name):] if not os.environ.get("QLITE_NATIVE_ISA") else [name]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    for name in (n for n in names if ISAS[n][0] <= cpu_flags()):
+    for name in [name] if os.environ.get("QLITE_NATIVE_ISA") else isas_here():
         _, source, flags = ISAS[name]
         sources = [(CSRC / source).read_text(), *(h.read_text() for h in sorted(CSRC.glob("*.h")))]  # and its headers
         key = hashlib.sha256("\0".join([*sources, version, *FLAGS, *flags, *sorted(cpu_flags()), torch.__version__])

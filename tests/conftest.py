@@ -19,7 +19,7 @@ def tiny_variant(request, tmp_path_factory) -> tuple[str, Path]:
 
 def isas_here() -> list[str]:
     from qlite import native
-    return [name for name, (needs, _, _) in native.ISAS.items() if needs <= native.cpu_flags()]
+    return native.isas_here()
 
 
 @pytest.fixture(params=isas_here())

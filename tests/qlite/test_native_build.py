@@ -26,7 +26,7 @@ def test_each_kernel_file_this_cpu_runs_builds_and_loads(isa, tmp_path):
 def test_a_kernel_file_that_does_not_build_gives_way_to_the_next_instruction_set(monkeypatch):
     """A compiler without a flag an instruction set needs (GCC before 11: -mavxvnni): the next one the CPU runs
     loads, unless that one was forced."""
-    runs = [name for name, (needs, _, _) in native.ISAS.items() if needs <= native.cpu_flags()]
+    runs = native.isas_here()
     if not runs or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no instruction set of qlite's kernels or no C compiler here")
     monkeypatch.setattr(native, "ISAS", {"unbuildable": (set(), "kernels_avx2.c", ["-mno-such-option"]), **native.ISAS})
