@@ -18,12 +18,16 @@ a batched step) comes to this CPU's arithmetic: the rates of VNNI multiply-adds 
 interleaved; AVX2: vpmaddubsw alone and in the int4 product's mix, vpmaddwd in the int8 one's, eval/peak_rate.c)
 on one core and on --threads threads at once (the bound: two vCPUs need not give twice one's), against the
 product on weights that stay in L2 (int4-g128, 512 x 3584; AVX2 also int8, 256 x 3584).
+--peak --steps DIR instead times a checkpoint's decode steps at 1 and --rows rows against the least time its
+int4 and int8 products could take at those rows at the mixes' rates: how far faster products alone could
+bring a batched step's time towards a one-row step's (the server's 8-client inter-token latency, issue 33);
+--calls / 10 rounds (at least 2), the row counts interleaved.
 --sampling instead times one sampled token over 151936 logits (the demo's vocabulary) with
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
     python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
-                                [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE | --peak]
+                                [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE | --peak [--steps DIR]]
 """
 from __future__ import annotations
 
@@ -223,25 +227,33 @@ def product_rate(fmt, N: int, K: int, M: int, calls: int) -> tuple[float, float]
     return ms, M * N * K / ms / 1e6
 
 
-def time_peak(rows: list[int], calls: int, threads: int) -> None:
-    """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
-    the rate this CPU's vector units allow the kernel's instruction mix, measured with --threads threads at
-    once. int4 in lanes (csrc/lanes.h): a vpdpbusd per 16 weight rows and 4 inputs of an activation row, float
-    work per group only, so pure vpdpbusd is its bound (the rates of vpdpbusd and FMA alone and in turn are
-    printed too), and int8 in lanes a vpdpwssd per 16 rows and 2 inputs, its inputs a broadcast memory operand;
-    on AVX2 a vpmaddubsw per 8 rows and 4 inputs, a broadcast of the inputs per two (two blocks
-    of weight rows a pass) and an int16 add each: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and
-    2 inputs, likewise with an int32 add."""
+def mix_bounds(threads: int) -> tuple[dict, float, float, float]:
+    """peak_rates for this CPU's kernels, and the G multiply-adds/s they allow with `threads` threads: pure
+    vpdpbusd (AVX2: vpmaddubsw), the int4 product's mix and the int8 product's. int4 in lanes (csrc/lanes.h): a
+    vpdpbusd per 16 weight rows and 4 inputs of an activation row, float work per group only, so pure vpdpbusd
+    is its bound, and int8 in lanes a vpdpwssd per 16 rows and 2 inputs, its inputs a broadcast memory operand;
+    on AVX2 a vpmaddubsw per 8 rows and 4 inputs, a broadcast of the inputs per two (two blocks of weight rows a
+    pass) and an int16 add each: that mix's rate; and int8 in lanes a vpmaddwd per 8 rows and 2 inputs, likewise
+    with an int32 add."""
     if not native.vnni_ready():
         raise click.ClickException("--peak measures the integer-activation kernels: this CPU has none")
     if native.isa() == "avxvnni":  # its mix (vpdpbusd ymm) has no peak_rate.c kernel
         raise click.ClickException("--peak measures the avx512 and avx2 kernels' mixes: QLITE_NATIVE_ISA=avx2 here")
-    avx2 = native.isa() == "avx2"
-    rates = peak_rates(threads, avx2=avx2)
+    if native.isa() == "avx2":
+        rates = peak_rates(threads, avx2=True)
+        return rates, rates["vpmaddubsw"][1] * 32, rates["int4 mix"][1] * 32, rates["int8 mix"][1] * 16
+    rates = peak_rates(threads)
+    return rates, rates["vpdpbusd"][1] * 64, rates["vpdpbusd"][1] * 64, rates["int8 mix"][1] * 32
+
+
+def time_peak(rows: list[int], calls: int, threads: int) -> None:
+    """The integer-activation product's multiply-adds per second at each row count, weights in L2, against
+    the rate this CPU's vector units allow the kernel's instruction mix (mix_bounds), measured with --threads
+    threads at once."""
+    rates, pure, per_core, int8_bound = mix_bounds(threads)
     team = f"{threads} thread{'s' if threads > 1 else ''} at once"
-    if avx2:  # a vpmaddubsw per 8 weight rows and 4 inputs (32 products); a vpmaddwd per 8 rows and 2 (16)
-        (pure_1, pure), (mix_1, mix), (words_1, words) = rates["vpmaddubsw"], rates["int4 mix"], rates["int8 mix"]
-        pure, per_core, int8_bound = pure * 32, mix * 32, words * 16
+    if native.isa() == "avx2":
+        (pure_1, _), (mix_1, mix), (words_1, words) = rates["vpmaddubsw"], rates["int4 mix"], rates["int8 mix"]
         print(f"one core: vpmaddubsw ymm {pure_1:.2f}/ns alone, {mix_1:.2f}/ns with a vpbroadcastd per two and a "
               f"vpaddw each (the int4 product's mix), vpmaddwd {words_1:.2f}/ns likewise with a vpaddd "
               f"(the int8 one's); {team}: {rates['vpmaddubsw'][1]:.2f}, {mix:.2f} and "
@@ -251,8 +263,6 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
         (dp_1, dp), (fma_1, _), (both_1, _) = rates["vpdpbusd"], rates["fma"], rates["vpdpbusd + fma"]
         (words_1, words) = rates["int8 mix"]
         shared = both_1 < 0.75 * (dp_1 + fma_1)
-        pure = per_core = dp * 64
-        int8_bound = words * 32  # a vpdpwssd per 16 rows and 2 inputs
         print(f"one core: vpdpbusd zmm {dp_1:.2f}/ns, vfmadd231ps zmm {fma_1:.2f}/ns, the two in turn "
               f"{both_1:.2f}/ns ({'shared' if shared else 'separate'} units), vpdpwssd zmm on a broadcast "
               f"{words_1:.2f}/ns; {team}: vpdpbusd {dp:.2f}/ns ({dp / dp_1:.2f}x one core's), vpdpwssd "
@@ -266,6 +276,67 @@ def time_peak(rows: list[int], calls: int, threads: int) -> None:
         ms8, rate8 = product_rate(Int8(None), 256, 3584, M, calls)
         print(f"| {M} | {ms:.3f} | {rate:.0f} | {rate / per_core:.0%} | {rate / pure:.0%} | {ms8:.3f} | {rate8:.0f} "
               f"| {rate8 / int8_bound:.0%} |", flush=True)
+
+
+def time_step_floor(model_dir, rows: list[int], calls: int, threads: int) -> None:
+    """Decode steps of a checkpoint at 1 row and at each of `rows` (medians of 32 greedy steps after a 200-token
+    prompt), and its quantized products alone at as many rows (every layer's kernel once, in the step's order, on
+    random activations; medians of 5 passes), the row counts interleaved over `calls` rounds; against the least
+    time those products could take: their multiply-adds at mix_bounds' rates. The step with its products at the
+    bounds and the rest as measured (step less products) over the one-row step: the best ratio faster products
+    alone could give. The products alone pay a Python call a layer that the fused step does not (at one row they
+    can read above the step), so that ratio is if anything low."""
+    from qlite.loader import load_model
+    from qlite.qlinear import QuantLinear
+    model = load_model(model_dir)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    macs = {"int4": 0, "int8": 0, "other": 0}  # per activation row
+    for layer in layers:
+        kind = layer.fmt.name[:4] if layer.fmt.name[:4] in ("int4", "int8") else "other"
+        macs[kind] += layer.in_features * layer.out_features
+    _, _, int4_bound, int8_bound = mix_bounds(threads)
+    vocab, counts = model.config.vocab_size, sorted(set(rows) | {1})
+
+    def step_ms(R: int, n: int = 32) -> float:
+        cache, times = model.new_cache(R, 200 + n), []
+        with torch.inference_mode():
+            out = model((torch.arange(100, 300) % vocab).repeat(R, 1), cache, last_only=True)
+            for _ in range(n):
+                tokens = torch.tensor(model.ops.argmax_rows(out[:, -1])[0])[:, None]
+                t = time.perf_counter()
+                out = model(tokens, cache, last_only=True)
+                times.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(times)
+
+    def products_ms(R: int) -> float:
+        xs = {K: torch.randn(R, K).bfloat16() for K in {layer.in_features for layer in layers}}
+        times = []
+        with torch.inference_mode():
+            for _ in range(5):
+                t = time.perf_counter()
+                for layer in layers:
+                    layer(xs[layer.in_features])
+                times.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(times)
+
+    steps, products = {R: [] for R in counts}, {R: [] for R in counts}
+    for _ in range(calls):
+        for R in counts:
+            steps[R].append(step_ms(R))
+            products[R].append(products_ms(R))
+    one = statistics.median(steps[1])
+    print(f"{Path(model_dir).name} on {native.isa()}, {threads} thread{'s' if threads > 1 else ''}: "
+          f"{macs['int4'] / 1e6:.4g}M int4 and {macs['int8'] / 1e6:.4g}M int8 multiply-adds a row "
+          f"({macs['other'] / 1e6:.4g}M in other layers, not counted), the mixes' bounds {int4_bound:.0f} / "
+          f"{int8_bound:.0f} G multiply-adds/s")
+    print("| rows | ms per step | / one row's | its products alone, ms | products at the bounds, ms | the step with "
+          "them at the bounds, / one row's |")
+    print("|---|---|---|---|---|---|")
+    for R in counts:
+        step, product = statistics.median(steps[R]), statistics.median(products[R])
+        floor = R * (macs["int4"] / int4_bound + macs["int8"] / int8_bound) / 1e6
+        best = f"{(step - product + floor) / one:.2f}" if R > 1 else "-"
+        print(f"| {R} | {cell(steps[R])} | {step / one:.2f} | {cell(products[R])} | {floor:.3g} | {best} |", flush=True)
 
 
 def time_verify(model_dir, rows: list[int], calls: int) -> None:
@@ -384,7 +455,8 @@ def time_against(source: Path, calls: int, shapes: str = "0.5b", rows: tuple[int
               help="time one layer's decode attention at this many keys instead, bf16 / int8 / int4 KV cache")
 @click.option("--sampling", is_flag=True, help="time one sampled token instead of the products")
 @click.option("--peak", is_flag=True, help="the products at --rows rows on weights in L2 against the CPU's multiply-add "
-                                           "rates instead")
+                                           "rates instead; with --steps, that checkpoint's decode steps at 1 and --rows "
+                                           "rows against its products' time at those rates")
 @click.option("--steps", "steps_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="time decode steps of this checkpoint instead: layer modules against the fused step")
 @click.option("--verify", "verify_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -398,6 +470,8 @@ def main(rows, calls, threads, shapes, attention_context, sampling, steps_dir, v
         return time_attention(attention_context, calls)
     if sampling:
         return time_sampling(calls)
+    if steps_dir and peak:
+        return time_step_floor(steps_dir, [int(r) for r in rows.split(",")], max(2, calls // 10), threads)
     if steps_dir:
         return time_steps(steps_dir, calls)
     if peak:

@@ -98,3 +98,30 @@ def test_peak_table():
     assert [row[1].strip() for row in rows] == ["1", "2"] and all(float(row[3]) > 0 for row in rows), r.output
     assert "1 thread at once" in r.output.splitlines()[0]
     assert all(len(row) == 10 and float(row[7]) > 0 for row in rows), r.output  # int8's rate beside int4's
+
+
+def test_step_floor_table(tmp_path):
+    """--peak --steps: a checkpoint's decode steps at 1 and --rows rows against its products at the mixes' bounds;
+    the multiply-adds it counts are the layers' weights' (from the config, independently), int4 and int8 apart."""
+    import json
+
+    from quantize.convert import convert
+    from tiny_models import NATIVE_WIDTHS, make_checkpoint
+    if not native.vnni_ready() or native.isa() == "avxvnni":
+        pytest.skip("no peak_rate.c mix for this CPU's kernels")
+    src = make_checkpoint(tmp_path / "tiny", **NATIVE_WIDTHS)
+    ckpt = convert(src, tmp_path / "int4", bits=4, group_size=32, progress=False, report=False).out_dir
+    r = CliRunner().invoke(kernel_bench.main, ["--peak", "--steps", str(ckpt), "--rows", "3", "--calls", "2",
+                                                "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    c = json.loads((ckpt / "config.json").read_text())
+    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = H // c["num_attention_heads"] * c["num_key_value_heads"]
+    head4 = c["quantization_config"]["lm_head_bits"] == 4
+    int4, int8 = L * (2 * H * H + 2 * H * kv + 3 * H * I) + H * V * head4, H * V * (not head4)
+    assert f": {int4 / 1e6:.4g}M int4 and {int8 / 1e6:.4g}M int8 " in r.output.splitlines()[0], r.output
+    rows = [line.split(" | ") for line in r.output.splitlines()[3:]]
+    assert [row[0] for row in rows] == ["| 1", "| 3"] and rows[0][2] == "1.00", r.output
+    assert 0 < float(rows[0][4]) < float(rows[1][4]), r.output  # the floor grows with the rows
+    assert all(float(row[3].split()[0]) > 0 for row in rows), r.output  # the products alone, measured
+    assert rows[0][5] == "- |" and float(rows[1][5].rstrip(" |")) > 0, r.output
