@@ -133,25 +133,42 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                          f"multiple of {kv_quant.GROUP} (the quantized cache's group)")
     dev = resolve_device(device)
     large_allocations_from_mmap()
-    float_dtype = resolve_dtype(dtype, dev)
-    try:
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(cfg)
-    except QliteError as e:  # a format that cannot hold a layer (a group size that does not divide, ...)
-        raise QliteError(f"{ckpt.path / 'config.json'}: quantization_config: {e}") from None
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-
-    def convert(key, t):  # parameters take the run dtype; quantized buffers keep their stored one
-        return t.to(device=dev, dtype=float_dtype if key in params else t.dtype)
-
-    layout = checkpoint_layout(model)
-    ckpt.check_tensors(checkpoint_shapes(layout))
-    check_dtypes(ckpt, layout, {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if k not in params})
-    model.load_state_dict(read_state(ckpt, layout, convert), assign=True, strict=False)
-    check_stored_values(model, ckpt)
-    model.tie_weights()
+    model = checked_model(ckpt, resolve_dtype(dtype, dev), dev)
     model.model.rotary.to(dev)
     use_backend(model, kernel, release=ckpt.release_view)
     model.kv_bits = kv_quant.KINDS[kv_cache]
     release_freed_memory()
     return model.eval()
+
+
+def check_loads(model_dir: Path, out: Path) -> None:
+    """Everything load_model checks, on the tensors as stored (mapped, nothing converted): what
+    quantize and import run on the finished temporary dir before it becomes `out`, so a file the
+    runtime refuses is never written with success."""
+    try:
+        checked_model(CheckpointDir(model_dir), None, torch.device("cpu"))
+    except QliteError as e:
+        raise QliteError(f"{out}: not written, the runtime would refuse it: {str(e).replace(str(model_dir), str(out))}") from None
+
+
+def checked_model(ckpt: CheckpointDir, float_dtype: torch.dtype | None, dev: torch.device) -> Qwen2ForCausalLM:
+    """The checkpoint's model with every tensor in place (mapped where the run takes it as stored;
+    float_dtype None: floats as stored too), names, shapes, dtypes and stored values checked, a tied
+    head sharing the loaded table; no backend picked yet."""
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(ckpt.config)
+    except QliteError as e:  # a format that cannot hold a layer (a group size that does not divide, ...)
+        raise QliteError(f"{ckpt.path / 'config.json'}: quantization_config: {e}") from None
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+
+    def convert(key, t):  # parameters take the run dtype; quantized buffers keep their stored one
+        return t.to(device=dev, dtype=float_dtype if key in params and float_dtype is not None else t.dtype)
+
+    layout = checkpoint_layout(model)
+    ckpt.check_tensors(checkpoint_shapes(layout))
+    check_dtypes(ckpt, layout, {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if k not in params})
+    model.load_state_dict(read_state(ckpt, layout, convert), assign=True, strict=False)
+    model.tie_weights()  # assign replaced the table's tensors: a tied head takes the loaded ones before any check
+    check_stored_values(model, ckpt)
+    return model

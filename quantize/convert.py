@@ -22,6 +22,7 @@ from qlite.checkpoint import FLOAT_STORAGE, CheckpointDir
 from qlite.errors import QliteError
 from qlite.formats import Format
 from qlite.info import REPORT_NAME
+from qlite.loader import check_loads
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
 from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
 from qlite.outputs import check_output
@@ -212,7 +213,7 @@ def write_quantized(plan: Plan, out: Path, stored_for: Callable[[Job], dict[str,
     config = {**plan.src.config_dict, "quantization_config": plan.qconfig.to_dict()}
     return write_checkpoint_dir(out, plan.specs, produce(), config, inputs=(plan.src.path,), force=force,
                                 side_files=plan.side_files, max_shard_bytes=max_shard_bytes,
-                                finish=lambda tmp: write_report(plan, tmp, fidelity, ref))
+                                finish=lambda tmp: check_loads(tmp, out) or write_report(plan, tmp, fidelity, ref))
 
 
 def convert(src: str | Path, out: str | Path | None = None, qconfig: QuantConfig | None = None, *,

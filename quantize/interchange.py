@@ -26,6 +26,7 @@ from qlite.fields import field_of
 from qlite.files import read_checkpoint_json
 from qlite.errors import QliteError
 from qlite.formats import Format, format_for_peer
+from qlite.loader import check_loads
 from qlite.outputs import check_output
 from qlite.qconfig import DECODER_MODULE, EMBEDDINGS, LINEAR_KINDS, QuantConfig
 from qlite.safetensors_io import TensorSpec, made_in_order, write_checkpoint_dir
@@ -77,11 +78,12 @@ class Output:
 
 
 def write_dir(src: CheckpointDir, out: Path, output: Output, config: dict, force: bool, progress: bool,
-              desc: str, skip_files=(), specs: list[TensorSpec] | None = None) -> None:
-    """specs: the order to write the output's tensors in (default: its jobs' order)."""
+              desc: str, skip_files=(), specs: list[TensorSpec] | None = None, finish=None) -> None:
+    """specs: the order to write the output's tensors in (default: its jobs' order); finish(tmp): run
+    on the complete dir before it is moved into place."""
     specs = output.specs() if specs is None else specs
     write_checkpoint_dir(out, specs, output.tensors(specs, progress, desc), config, inputs=(src.path,), force=force,
-                         side_files=[f for f in src.side_files() if f.name not in skip_files])
+                         side_files=[f for f in src.side_files() if f.name not in skip_files], finish=finish)
 
 
 # --- export ----------------------------------------------------------------------------------------
@@ -477,7 +479,8 @@ def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, pro
     if "lm_head" in formats:
         config["tie_word_embeddings"] = False
     order = loading_order(output.specs(), Qwen2Config.from_dict(config, source=str(src_dir.path / "config.json")))
-    write_dir(src_dir, out, output, config, force, progress, "import", skip_files=("quantize_config.json",), specs=order)
+    write_dir(src_dir, out, output, config, force, progress, "import", skip_files=("quantize_config.json",), specs=order,
+              finish=lambda tmp: check_loads(tmp, out))
     return qcfg
 
 

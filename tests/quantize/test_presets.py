@@ -1,0 +1,114 @@
+"""Every preset and budget, on tied and untied tiny models of widths int4-g128 divides (at widths it does
+not divide the presets fall back to 8 bits, which hid a broken tied int4 table): quantize with its report,
+load, generate, serve one request, eval, and each export read back."""
+import json
+
+import pytest
+import torch
+
+from cli_checks import assert_one_line_error, run_cli
+from qlite.checkpoint import CheckpointDir
+from qlite.engine import Engine
+from qlite.loader import load_model
+from qlite.pipeline import load
+from quantize.presets import PRESETS
+from tiny_models import NATIVE_WIDTHS, make_checkpoint
+
+from .test_convert import dequantized_twin
+
+RECIPES = {**{name: ["--preset", name] for name in PRESETS},
+           "target-bpw": ["--target-bpw", "4.5"], "target-kld": ["--target-kld", "0.25"]}
+IDS = torch.tensor([[3, 17, 250, 9, 100, 42, 7, 300, 12, 5]])
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def source(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp(request.param) / "src", seed=11,
+                           **dict(NATIVE_WIDTHS, tie_word_embeddings=request.param == "tied"))
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def quantized(request, source):
+    """(source, quantized dir) made by `qlite quantize` with the recipe's flags, its report measured."""
+    from qlite.cli import main
+    out = source.parent / request.param
+    assert main(["quantize", str(source), "--out", str(out), *RECIPES[request.param]]) == 0
+    return source, out
+
+
+def reference_logits(path) -> torch.Tensor:
+    with torch.no_grad():
+        return load_model(path, dtype="float32", kernel="reference")(IDS).float()
+
+
+def test_loads_runs_and_reports(quantized):
+    """The checkpoint loads as the runtime loads it (the report measured it that way), its tied head
+    shares the loaded table when both have one format, and its logits are its dequantized twin's."""
+    src, out = quantized
+    report = json.loads((out / "quantization_report.json").read_text())
+    assert report["fidelity"]["texts"]["code"]["kld_mean"] < 1.0
+    q, twin = dequantized_twin(out, src)
+    qcfg = q.config.quantization
+    linear_formats = {qcfg.linear.name} | {f.name for _, f in qcfg.module_formats if f is not None}
+    assert any(name.startswith("int4") for name in linear_formats) or "q8" in out.name  # int4 really chosen
+    if q.config.tie_word_embeddings and qcfg.shares_table(True) and qcfg.embeddings is not None:
+        table, head = q.model.embed_tokens.stored(), q.lm_head.stored()
+        assert table.keys() == head.keys() and all(head[k] is table[k] for k in table)
+    with torch.no_grad():
+        assert torch.allclose(q(IDS), twin(IDS), atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(load_model(out)(IDS)).all()  # default dtype and kernels
+
+
+def test_generate_and_eval(quantized, capsys):
+    src, out = quantized
+    code, text, _ = run_cli(capsys, "generate", "-m", out, "-p", "the", "--max-new-tokens", "6", "--temperature", "0")
+    assert code == 0 and text
+    code, table, err = run_cli(capsys, "eval", out, "--baseline", src, "--ctx", "64", "--max-chunks", "2")
+    assert code == 0, err
+    row = next(line for line in table.splitlines() if line.startswith(f"| {out.name} ") and "| code |" in line)
+    assert "nan" not in row.lower()
+
+
+def test_serves_one_request_as_the_python_api_answers(quantized):
+    from tests.qlite.test_server import call, running
+    lm = load(quantized[1])
+    want = lm.generate("the he", chat=False, max_new_tokens=8)
+    with running(lm, Engine(lm, max_batch=2, ctx=128, max_queue=2).start()) as (port, _):
+        status, payload = call(port, "/v1/completions", {"prompt": "the he", "max_tokens": 8})
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("to", ["compressed-tensors", "gptq", "gguf"])
+def test_exports_read_back(quantized, tmp_path, capsys, to):
+    """Each export imported back runs with the quantized model's logits: exactly where the weights
+    travel as they are, up to float16 where an export rounds a table or head to it (GGUF's import
+    dequantizes to float16). GPTQ holds one format: a mix is refused in one line."""
+    _, out = quantized
+    x = tmp_path / ("m.gguf" if to == "gguf" else "x")
+    code, _, err = run_cli(capsys, "export", out, "--to", to, "--out", x)
+    if to == "gptq" and CheckpointDir(out).config.quantization.module_formats:
+        assert_one_line_error(code, err, "a mix of formats")
+        return
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "import", x, "--out", tmp_path / "back")
+    assert code == 0, err
+    diff = (reference_logits(tmp_path / "back") - reference_logits(out)).abs().max()
+    assert diff < 2e-2, diff
+
+
+def test_a_checkpoint_the_runtime_refuses_is_never_written(source, tmp_path, capsys, monkeypatch):
+    """quantize loads what it wrote as the runtime does, with or without a report: a stored value the
+    format does not allow (here an int4 zero point of 16) fails there, and no output is left."""
+    import quantize.convert as convert
+
+    def bad_zeros(src, job):
+        stored = real(src, job)
+        if "zeros" in stored:
+            stored = {**stored, "zeros": torch.full_like(stored["zeros"], 16)}
+        return stored
+
+    real = convert.quantize_tensor
+    monkeypatch.setattr(convert, "quantize_tensor", bad_zeros)
+    code, _, err = run_cli(capsys, "quantize", source, "--out", tmp_path / "q", "--preset", "fast", "--no-report")
+    assert_one_line_error(code, err.splitlines()[-1], f"{tmp_path / 'q'}: not written", "zero point 16")
+    assert ".tmp" not in err and not (tmp_path / "q").exists()
