@@ -18,7 +18,7 @@ from qlite.files import read_bytes
 from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import decoder_linear_bits_per_weight, format_name
 from qlite.kv_quant import KINDS as KV_KINDS
-from qlite.loader import load_model
+from qlite.loader import check_kv_cache, load_model
 from qlite.model import Qwen2ForCausalLM
 from qlite.outputs import write_file_atomic
 from qlite.texts import load_text
@@ -103,6 +103,8 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
                 raise QliteError(f"--kv-cache: {d} is a GGUF; llama.cpp rows are scored with its own cache")
             continue  # GgufPeer checks its vocabulary and tokenizer
         cfg = load_config(d)
+        for kv in kv_caches:
+            check_kv_cache(kv, cfg, d)
         if cfg.vocab_size != base_cfg.vocab_size or _file_hash(d / "tokenizer.json") != base_tokenizer:
             raise QliteError(f"{d}: its tokenizer differs from the baseline's ({baseline}); "
                              "the models must score the same tokens")
@@ -199,7 +201,7 @@ def write_reports(rows: list[Row], baseline: str, ctx: int, json_path: Path | No
                   "rows": [asdict(r) for r in rows]}
         if code_rows:
             report["code_tasks"] = [r.summary() for r in code_rows]
-        write_file_atomic(json_path, json.dumps(report, indent=2))
+        write_file_atomic(json_path, json.dumps(report, indent=2), "--json")
     if md_path:
-        write_file_atomic(md_path, text + "\n")
+        write_file_atomic(md_path, text + "\n", "--markdown")
     return text

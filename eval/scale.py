@@ -9,7 +9,7 @@ streaming quantize.
                                          [--dir WORK] [--markdown PATH] [--plot PNG]
 
 `measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
-(wall time, the child's peak RSS and peak anonymous memory), and with --bench times the RTN checkpoint's load, prefill and decode
+(wall time, the child's peak RSS and peak anonymous memory), and with --bench times each checkpoint's load, prefill and decode
 (eval.bench's runner, a fresh process). With --llama-cpp SRC (a llama.cpp source tree with its tools built
 in SRC/build/bin, e.g. the one vendored in llama-cpp-python's sdist), the same checkpoint is converted by
 llama.cpp's own convert_hf_to_gguf.py (f16) and llama-quantize (Q4_0, Q8_0), timed the same way, and with
@@ -275,7 +275,7 @@ def write(shape, out, layers, tokenizer_from):
 @click.option("--layers", type=click.IntRange(min=1), help="only this many decoder layers per shape")
 @click.option("--recipes", default="rtn", show_default=True, help=f"comma-separated: {', '.join(RECIPES)}")
 @click.option("--quantize-args", default="", help="more qlite quantize flags for every recipe, e.g. '--nsamples 16'")
-@click.option("--bench", is_flag=True, help="also time load, prefill and decode of the rtn checkpoint (and llama.cpp's)")
+@click.option("--bench", is_flag=True, help="also time load, prefill and decode of each recipe's checkpoint (and llama.cpp's)")
 @click.option("--llama-cpp", "llama", type=click.Path(path_type=Path, file_okay=False, exists=True),
               help="llama.cpp source tree, tools built in build/bin: also convert with it, Q4_0 and Q8_0")
 @click.option("--prompt-tokens", default=128, show_default=True)
@@ -293,8 +293,6 @@ def measure(shapes, work, layers, recipes, quantize_args, bench, llama, prompt_t
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
         raise click.ClickException(f"--recipes: unknown {', '.join(unknown)} (known: {', '.join(RECIPES)})")
-    if bench and "rtn" not in recipes:
-        raise click.ClickException("--bench times the rtn checkpoint: add rtn to --recipes")
     if llama and not all((llama / tool).exists() for tool in ("convert_hf_to_gguf.py", "build/bin/llama-quantize")):
         raise click.ClickException(f"--llama-cpp {llama}: needs convert_hf_to_gguf.py and build/bin/llama-quantize")
     rows, runs = [], []
@@ -312,8 +310,8 @@ def measure(shapes, work, layers, recipes, quantize_args, bench, llama, prompt_t
         for recipe in recipes:
             click.echo(f"{shape} {recipe}", err=True)
             rows.append(quantize_row(shape, params, recipe, src, quantize_args.split()))
-            if bench and recipe == "rtn" and not rows[-1]["error"]:
-                run("qlite int4-g128", {"engine": "qlite", "path": rows[-1]["out"]})
+            if bench and recipe != "report" and not rows[-1]["error"]:  # report: rtn's checkpoint again
+                run(f"qlite {recipe}", {"engine": "qlite", "path": rows[-1]["out"]})
         if llama:
             click.echo(f"{shape} llama.cpp", err=True)
             rows += llama_cpp_rows(shape, params, src, llama, threads)

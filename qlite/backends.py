@@ -45,18 +45,33 @@ class NativeOps(TorchOps):
 
     @staticmethod
     def attention(qkv, step: Step, attn):
-        """One new token per row, bf16, with a bf16 or quantized cache (plain, or left-padded rows):
-        rotary, cache write and attention in one call."""
+        """New tokens, bf16, with a bf16 or quantized cache (plain, or left-padded rows): rotary, cache write
+        and attention in one call a row, every token's attention as a one-token step computes it. One rule
+        for every key and value: read back from the cache's records, by the same arithmetic, whether a
+        prompt's own (prefill), an earlier step's, or a prefix the prompt cache held; so a prompt's numbers
+        do not depend on how it was cut into forwards or what the cache held (issue 54)."""
         B, T, _ = qkv.shape
         cache = step.cache
-        if T == 1 and cache is not None and (step.mask is None or step.key_starts is not None) \
-                and native.bf16_ready(qkv) and attn.head_dim % 32 == 0 and native.cache_ready(cache.k, cache.kv_bits):
-            k, v = cache.k[attn.layer_idx], cache.v[attn.layer_idx]  # (B, n_kv, capacity, record)
+        if not (cache is not None and (not step.padded or step.key_starts is not None) and native.bf16_ready(qkv)
+                and attn.head_dim % 32 == 0 and native.cache_ready(cache.k, cache.kv_bits)):
+            return TorchOps.attention(qkv, step, attn)
+        k, v = cache.k[attn.layer_idx], cache.v[attn.layer_idx]  # (B, n_kv, capacity, record)
+        offset = None if cache.k_offset is None else cache.k_offset[attn.layer_idx]
+        if T == 1:
             y = native.decode_attention(qkv.view(B, -1), step.cos.reshape(B, -1), step.sin.reshape(B, -1), k, v,
-                                        attn.n_head, step.start, step.key_starts, cache.kv_bits,
-                                        None if cache.k_offset is None else cache.k_offset[attn.layer_idx])
+                                        attn.n_head, step.start, step.key_starts, cache.kv_bits, offset)
             return y.view(B, T, -1)
-        return TorchOps.attention(qkv, step, attn)
+        y = qkv.new_zeros(B, T, attn.n_head * attn.head_dim)  # a padding query's output: zeros (TorchOps.rows_alone)
+        starts = [0] * B if step.key_starts is None else step.key_starts.tolist()
+        for b, first_key in enumerate(starts):
+            first = max(first_key - step.start, 0)  # the row's first real token in this forward
+            if first < T:
+                y[b, first:] = native.decode_attention(
+                    qkv[b, first:], step.cos[b if step.cos.shape[0] > 1 else 0, 0, first:],
+                    step.sin[b if step.sin.shape[0] > 1 else 0, 0, first:], k[b:b + 1], v[b:b + 1], attn.n_head,
+                    step.start + first, None if step.key_starts is None else step.key_starts[b].expand(T - first),
+                    cache.kv_bits, offset, one_sequence=True)
+        return y
 
     @staticmethod
     def argmax_rows(logits):
@@ -82,6 +97,18 @@ BACKENDS = {
     "bnb": Backend((BnbNF4, BnbInt8), (), TorchOps, quantized_only=True),
     "auto": Backend((*NATIVE_QUANTIZED, AtenInt8, AtenInt4, BnbNF4, BnbInt8, Reference), (NativeBf16,), NativeOps),
 }
+
+
+def exact_rows(model: nn.Module) -> int:
+    """The rows per sequence up to which a forward's every number is the same whatever the row count, the
+    batch and the cut into forwards: each product's (kernel.exact_rows; torch's matmuls none) and attention
+    (NativeOps reads every key and value back from the cache, token by token as a step does: bf16 on the
+    CPU, head_dim a multiple of 32). sys.maxsize: a prompt's numbers never depend on how it was prefilled."""
+    linears = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
+    if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or native.library() is None
+            or model.config.head_dim % 32 or any(m.ops is not NativeOps for m in model.modules() if hasattr(m, "ops"))):
+        return 0
+    return min((getattr(getattr(m, "kernel", None), "exact_rows", 0) for m in linears), default=0)
 
 
 def backend_named(name: str) -> Backend:

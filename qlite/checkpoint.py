@@ -82,9 +82,12 @@ class CheckpointDir:
             weight_map = read_json(index, within=self.path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise QliteError(f"{index}: no weight_map")
+            bad = [f for f in weight_map.values() if not isinstance(f, str)]
+            if bad:  # before the set and the sort: a list is unhashable, an int or null unsortable with names
+                raise QliteError(f"{index}: weight_map value {bad[0]!r} is not a file name"[:300])
             files = sorted(set(weight_map.values()))
             for f in files:  # plain file names of regular files in this dir: no paths, links out, FIFOs
-                if not isinstance(f, str) or Path(f).name != f or f in (".", ".."):
+                if Path(f).name != f or f in (".", ".."):
                     raise QliteError(f"{index}: {f!r} is not a file name in the checkpoint dir")
                 if not (self.path / f).exists():
                     raise QliteError(f"{self.path / f}: named by {INDEX_NAME} but missing")

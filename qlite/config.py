@@ -57,14 +57,15 @@ class Qwen2Config:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
         """Fields strictly typed (no coercion: "64", 64.7 or "false" are refused, naming the field);
-        features qlite does not implement (rope_scaling, sliding window) refused by name."""
+        every field checked against the type's table (arch/config_fields.py): one qlite does not
+        know, or a value it does not run (a sliding window, another activation), refused by name."""
         from .arch import architecture
         arch = architecture(d.get("model_type"), source)
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
             raise QliteError(f"{source}: missing {', '.join(missing)}")
-        unsupported(d, source)
+        arch.check_fields(d, source)
         rope = field_of(d, "rope_parameters", dict, source, {})
         rope_theta = d["rope_theta"] if d.get("rope_theta") is not None else rope.get("rope_theta", arch.rope_theta)
         scaling = field_of(d, "rope_scaling", dict, source, None) or {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -124,16 +125,3 @@ def load_config(model_dir: str | Path) -> Qwen2Config:
     if not Path(model_dir).is_dir():
         raise QliteError(f"{model_dir}: not a directory")
     return Qwen2Config.from_dict(read_json(path, within=model_dir), source=str(path))
-
-
-# config.json features that change the model's numbers and that qlite does not implement: refused by
-# name rather than run silently wrong (field -> the values that mean "off"); rope scaling is the
-# architecture's to accept or refuse
-UNSUPPORTED = {"use_sliding_window": (None, False), "mlp_bias": (None, False)}
-
-
-def unsupported(d: dict, source: str) -> None:
-    for name, off in UNSUPPORTED.items():
-        if d.get(name) not in off:
-            raise QliteError(f"{source}: {name} {d[name]!r}: qlite does not implement it yet "
-                             f"(remove it from config.json to run without it)"[:300])

@@ -16,6 +16,12 @@ _BITS = torch.arange(32, dtype=torch.int32)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class GrammarError(QliteError):
+    """What the request's schema or grammar does (no document satisfies it, a nesting past the matcher's
+    limits): the client's error, a 400 naming the field the grammar came in (Plan.grammar_field)."""
+    status, code = 400, "unsupported_schema"
+
+
 def _llguidance():
     try:
         import llguidance
@@ -43,16 +49,32 @@ def tool_call_grammar(tools: list[dict], name: str | None, open_id: int, close_i
     """One call of a function among `tools` (OpenAI's [{type: function, function: {name, parameters}}]),
     or of the one named, in Qwen2's markup: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     (open_id/close_id: the markup's tokens)."""
-    calls = []
-    for tool in tools:
+    calls, defs = [], {}
+    for i, tool in enumerate(tools):
         function = tool["function"]
         if name is None or function["name"] == name:
+            defs[f"tool{i}"] = rooted(function.get("parameters") or {"type": "object"}, f"#/$defs/tool{i}")
             calls.append({"type": "object", "properties": {"name": {"const": function["name"]},
-                                                           "arguments": function.get("parameters") or {"type": "object"}},
+                                                           "arguments": {"$ref": f"#/$defs/tool{i}"}},
                           "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_STYLE}
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs, "x-guidance": JSON_STYLE}
     lark = f'start: <[{open_id}]> "\\n" call "\\n" <[{close_id}]>\ncall: %json {json.dumps(schema)}'
     return checked(_llguidance().LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def rooted(schema, root: str):
+    """A schema moved from a document's root to `root` (a JSON pointer such as #/$defs/tool0): every local
+    $ref ("#", "#/$defs/a") re-aimed there, so a tool's parameters that refer to themselves still do inside
+    the call's schema."""
+    if isinstance(schema, list):
+        return [rooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rooted(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def checked(grammar: str, what: str) -> str:
@@ -73,7 +95,10 @@ class Constraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise QliteError(f"structured output: {self.matcher.get_error().splitlines()[0][:300]}")
+            error = self.matcher.get_error().splitlines()[0][:300]
+            if "NoExtensionBias" in error:  # llguidance's word for a grammar that admits no text at all
+                error = "no JSON document satisfies this schema (a $ref cycle with no way out, such as {\"$ref\": \"#\"})"
+            raise GrammarError(f"structured output: {error}")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (V,) as float32, -inf at every token the grammar cannot take next."""

@@ -121,10 +121,9 @@ class Sequence:
     def step(self, logits: torch.Tensor, finite: bool, argmax: int) -> list[Event]:
         """Pick and take the next token; a failure ends this sequence alone (a Failed event)."""
         try:
-            token = self.pick(logits, finite, argmax)
-        except QliteError as e:
-            return self.fail(str(e))
-        return self.take(token)
+            return self.take(self.pick(logits, finite, argmax))
+        except QliteError as e:  # a grammar's failure is the request's schema's: its status says so
+            return self.fail(str(e), getattr(e, "status", 500), getattr(e, "code", None))
 
     def take(self, token: int) -> list[Event]:
         """Append a token: its text, and the end at an eos, a stop string or the token budget."""
@@ -164,9 +163,9 @@ class Sequence:
         piece = self.text.flush() if self.text is not None else ""
         return ([Text(piece)] if piece else []) + [Done(reason, self.generated)]
 
-    def fail(self, message: str, status: int = 500) -> list[Event]:
+    def fail(self, message: str, status: int = 500, code: str | None = None) -> list[Event]:
         self.finished = self.failed = True
-        return [Failed(message, status)]
+        return [Failed(message, status, code)]
 
 
 class RowCache:

@@ -13,9 +13,10 @@ needs and is called with the activations. backends.py says which kernels a backe
   checkpoint's bytes.
 - vnni (CPU with AVX-512 VNNI, or AVX2): the same, but the product quantizes the activations and
   multiplies in integers, as llama.cpp does, in one product "in lanes" (csrc/lanes.h), a scale per row
-  and group of at most 128 inputs and integer sums per group: int4 weights meet int8 activations at every
-  row count, decode and prefill; int8 weights int16 activations up to VNNI_MAX_ROWS rows per sequence
-  (AVX2: at every row count, prefill included). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw / vpmaddwd.
+  and group of at most 128 inputs and integer sums per group: int4 weights meet int8 activations, int8
+  weights int16 ones, at every row count, decode and prefill, so each row's result is the same at any row
+  count (which the prompt cache needs: backends.exact_rows). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
+  vpmaddwd.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _on_cpu(layer) -> bool:
 
 class Reference:
     name = "reference"
+    exact_rows = 0  # torch's matmuls: a row's bits may depend on the rows beside it
 
     @staticmethod
     def supports(layer) -> bool:
@@ -151,8 +153,14 @@ def sequence_rows(x: torch.Tensor) -> int:
 class _Native:
     """Up to max_rows rows per sequence: the kernel's matrix-vector product (over all B x T rows);
     more: the weight dequantized to bf16 (into dequantize_buffer) for this call only, and one matmul
-    in native.matmul_dtype() (bf16; float32 with the AVX2 kernels), read at load."""
+    in native.matmul_dtype() (bf16; float32 with the AVX2 kernels), read at load. exact_rows: the rows
+    per sequence up to which each row's result is the same at any row count and in any batch (the
+    products'; the matmul's are not)."""
     max_rows = native.MAX_ROWS
+
+    @property
+    def exact_rows(self) -> int:
+        return self.max_rows
     copies = ()  # the layer's buffers this kernel keeps a copy of, in its own layout (the load drops their pages)
 
     def __init__(self, layer):
@@ -199,14 +207,6 @@ def _vnni_fits(layer) -> bool:
     return native.vnni_ready() and native.vnni_fits(layer.in_features, layer.in_features // layer.fmt.groups(layer.in_features))
 
 
-class _IntegerActivations:
-    """The integer-activation products' row limit, set at load: native.vnni_max_rows()."""
-
-    def __init__(self, layer):
-        super().__init__(layer)
-        self.max_rows = native.vnni_max_rows()
-
-
 class _TiledCodes:
     """The integer-activation products take their codes tiled (native.tile_codes): a copy made at load in
     place of the file's, whose pages the load then drops."""
@@ -218,18 +218,20 @@ class _TiledCodes:
         return {**stored, "qweight": native.tile_codes(stored["qweight"])}
 
 
-class VnniInt8(_TiledCodes, _IntegerActivations, NativeInt8):
-    """NativeInt8 with the activations quantized to int16 for its few-row products: integer dot
-    products (AVX-512 VNNI, or AVX2); cheaper per row, so more rows pay. Codes tiled (_TiledCodes)."""
+class VnniInt8(_TiledCodes, NativeInt8):
+    """NativeInt8 with the activations quantized to int16: integer dot products (AVX-512 VNNI, or AVX2) in
+    one product at every row count, prefill included, each row's result the same at any row count. On the
+    demo's q4 file (Zen 4) a prefill of 128-2048 tokens takes as long as with dequantize + bf16 matmul past
+    16 rows, the limit this kernel had (BENCHMARKS.md, issue 54). Codes tiled (_TiledCodes)."""
     name = "vnni-int8"
+    max_rows = sys.maxsize
+
+    def __call__(self, x):
+        return self.product(x).to(x.dtype)
 
     @staticmethod
     def prepare(qweight, scales, bias32):
         return native.vnni_product(qweight, scales, None, bias32)
-
-    @staticmethod
-    def dequantize(qweight, scales, out):
-        return native.dequantize_int8(qweight, scales, out, tiled=True)
 
     @staticmethod
     def supports(layer) -> bool:
@@ -238,10 +240,8 @@ class VnniInt8(_TiledCodes, _IntegerActivations, NativeInt8):
 
 def dequantized_for_prefill(fmt, in_features: int) -> bool:
     """Whether a prefill dequantizes a quantized layer of this format to bf16 for one matmul (fit.py's
-    scratch): not the layers an integer-activation product takes at every row count on this CPU: int4
-    (VnniInt4), and int8 where its product has no row limit (VnniInt8 on AVX2, native.vnni_max_rows)."""
-    every_row_count = isinstance(fmt, Int4) or (isinstance(fmt, Int8) and native.vnni_max_rows() == sys.maxsize)
-    return not (every_row_count and native.vnni_ready()
+    scratch): not the layers an integer-activation product takes (VnniInt4, VnniInt8: every row count)."""
+    return not (isinstance(fmt, (Int4, Int8)) and native.vnni_ready()
                 and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
 
 
@@ -254,6 +254,7 @@ class VnniInt4(_TiledCodes, NativeInt4):
     1.1-1.6x faster so at 7B's shapes (BENCHMARKS.md)."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
+    exact_rows = sys.maxsize
 
     def __call__(self, x):
         return self.product(x).to(x.dtype)
@@ -266,6 +267,7 @@ class VnniInt4(_TiledCodes, NativeInt4):
 class NativeBf16:
     """A 16-bit Linear's few-row products (per sequence) with a bf16 CPU weight, through native.gemv_bf16."""
     name = "native-bf16"
+    exact_rows = native.MAX_ROWS
 
     @staticmethod
     def supports(layer) -> bool:

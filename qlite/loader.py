@@ -118,19 +118,24 @@ def float_layer(ckpt: CheckpointDir, cfg, i: int) -> DecoderLayer:
     return layer
 
 
+def check_kv_cache(kv_cache: str, cfg, model_dir: Path) -> None:
+    """--kv-cache KIND for a model of this config: a kind kv_quant knows, whose groups divide head_dim."""
+    if kv_cache not in kv_quant.KINDS:
+        raise QliteError(f"--kv-cache {kv_cache!r}: one of {', '.join(kv_quant.KINDS)}")
+    if kv_quant.KINDS[kv_cache] != 16 and cfg.head_dim % kv_quant.GROUP:
+        raise QliteError(f"--kv-cache {kv_cache}: {Path(model_dir) / 'config.json'}: head_dim {cfg.head_dim} is not a "
+                         f"multiple of {kv_quant.GROUP} (the quantized cache's group)")
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                kernel: str = "auto", kv_cache: str = "bf16") -> Qwen2ForCausalLM:
     """Load a (possibly quantized) checkpoint dir. Floating parameters are cast to `dtype`; quantized
     buffers keep their stored dtype. `kernel` names the backend (backends.py); `kv_cache` what the
     caches it makes hold (kv_quant.KINDS)."""
     backend_named(kernel)  # an unknown name fails before anything is read
-    if kv_cache not in kv_quant.KINDS:
-        raise QliteError(f"--kv-cache {kv_cache!r}: one of {', '.join(kv_quant.KINDS)}")
     ckpt = CheckpointDir(model_dir)
     cfg = ckpt.config
-    if kv_quant.KINDS[kv_cache] != 16 and cfg.head_dim % kv_quant.GROUP:
-        raise QliteError(f"--kv-cache {kv_cache}: {ckpt.path / 'config.json'}: head_dim {cfg.head_dim} is not a "
-                         f"multiple of {kv_quant.GROUP} (the quantized cache's group)")
+    check_kv_cache(kv_cache, cfg, ckpt.path)
     dev = resolve_device(device)
     large_allocations_from_mmap()
     model = checked_model(ckpt, resolve_dtype(dtype, dev), dev)

@@ -70,9 +70,9 @@ class Step:
     """What every layer of one forward shares: rotary cos/sin (float32, (B, 1, T, head_dim)), the KV
     cache (None: no cache), the attention mask (None: plain causal), where the new tokens start, and
     for a padded batch whose rows' tokens are each one run to the end, where each row's keys start
-    (`key_starts`).
-    one_at_a_time: each new token's attention as a one-token step computes it (Qwen2ForCausalLM.forward's
-    `exact`)."""
+    (`key_starts`); padded: whether rows are padded at all (else the mask is plain causal from `start`).
+    one_at_a_time: several new tokens of one sequence whose every number must be what one-token steps give
+    (Qwen2ForCausalLM.forward's `exact`): the fused decode layers may take them (fused.py)."""
     cos: torch.Tensor
     sin: torch.Tensor
     cache: "KVCache | None"
@@ -80,10 +80,7 @@ class Step:
     start: int
     key_starts: torch.Tensor | None = None
     one_at_a_time: bool = False
-
-    def token(self, t: int) -> "Step":
-        """The step of new token t alone (unpadded rows: no mask)."""
-        return Step(self.cos[:, :, t:t + 1], self.sin[:, :, t:t + 1], self.cache, None, self.start + t)
+    padded: bool = False
 
 
 class TorchOps:
@@ -267,11 +264,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if hasattr(self, "q_norm"):
             qkv = self.normed_heads(qkv)
-        if step.one_at_a_time and qkv.shape[1] > 1:
-            y = torch.cat([self.ops.attention(qkv[:, t:t + 1], step.token(t), self) for t in range(qkv.shape[1])], 1)
-        else:
-            y = self.ops.attention(qkv, step, self)
-        return self.o_proj(y)
+        return self.o_proj(self.ops.attention(qkv, step, self))
 
     def key_bias(self) -> torch.Tensor | None:
         """k_proj's bias (n_kv * head_dim,), or None."""
@@ -421,10 +414,11 @@ class Qwen2ForCausalLM(nn.Module):
         forwards of at most prefill_chunk tokens). key_mask (B, cache.length + T), True for real tokens,
         is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1. head=False:
         the cache filled, no logits (None): a prompt's chunks before its last.
-        exact (unpadded rows, a cache, T <= native.MAX_ROWS): every logit bitwise what T one-token forwards
-        give, where the products are row-exact (the native ones): rotary angles and attention token by
-        token, as a step computes them; the products over all T rows at once (speculative decoding's
-        verify pass, speculate.py)."""
+        Where the products are row-exact and attention reads the cache back as a step does (backends.exact_rows:
+        the native bf16 run), every logit is bitwise what one-token steps give, however the tokens are cut.
+        exact (unpadded rows, a cache, T <= native.MAX_ROWS): the rotary angles token by token too, as steps
+        compute them (they differ for dynamic NTK), and the fused decode layers may take the T tokens
+        (speculative decoding's verify pass, speculate.py)."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if cache is not None:
@@ -453,7 +447,8 @@ class Qwen2ForCausalLM(nn.Module):
         """The decoder layers' output (B, T, hidden) for input_ids (B, T) after the cache's tokens."""
         T, start = input_ids.shape[1], cache.length if cache is not None else 0
         step = Step(cos, sin, cache, attention_mask(T, start, key_mask, input_ids.device), start,
-                    key_starts(key_mask[:, :start + T]) if key_mask is not None else None, one_at_a_time)
+                    key_starts(key_mask[:, :start + T]) if key_mask is not None else None, one_at_a_time,
+                    padded=key_mask is not None)
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # (B, T, hidden)
         fused = self.model.fused_layers
         if fused is not None and fused.takes(x, step):

@@ -16,7 +16,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +34,6 @@ ISAS = {  # name: (the CPU flags it needs, its source, its compiler flags), best
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
 MAX_GROUPS = 1024  # common.h's MAX_GROUPS
-VNNI_MAX_ROWS = 16  # the integer-activation kernels beat dequantize + bf16 matmul up to about this many
 CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -45,7 +43,7 @@ SIGNATURES = {
     "qlite_gemv_int4": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _P, _I, _I],
     "qlite_gemv_vnni": [_P, _L, _P, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_tile_codes": [_P, _P, _L, _L, _I, _I],
-    "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _I, _P, _I],
+    "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
@@ -275,14 +273,6 @@ def lanes_rows() -> int:
     return library().qlite_int4_lanes()
 
 
-def vnni_max_rows() -> int:
-    """Rows per sequence up to which int8 weights' integer-activation products run (more: they dequantize for
-    one matmul; int4 weights take their product in lanes at every row count): 16 beside AVX-512's bf16
-    matmuls; every row count beside AVX2's float32 ones, which they beat at any row count (512 rows of the
-    demo's int8 gate_up / down: 1.2-1.6x, BENCHMARKS.md "AVX2 kernels")."""
-    return sys.maxsize if _avx2_kernels() else VNNI_MAX_ROWS
-
-
 def vnni_fits(in_features: int, group_size: int) -> bool:
     """Whether gemv_vnni takes a layer: the width whole CHUNKs, groups whole CHUNKs or 32 or 64 wide."""
     return (in_features % CHUNK == 0 and (group_size % CHUNK == 0 or group_size in (32, 64))
@@ -330,13 +320,12 @@ def _bf16_out(out: torch.Tensor | None, N: int, K: int) -> torch.Tensor:
     return out
 
 
-def dequantize_int8(qweight, scales, out: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
-    """bf16 weights [N, K], into `out` if given; tiled: the codes as tile_codes lays them out."""
+def dequantize_int8(qweight, scales, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 weights [N, K] (codes as stored), into `out` if given."""
     N, K = qweight.shape
     _check_int8(qweight, scales)
-    _check_rule(not tiled or K % CHUNK == 0, f"K {K} is not a multiple of {CHUNK}: never tiled")
     out = _bf16_out(out, N, K)
-    library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K, int(tiled),
+    library().qlite_dequantize_int8(qweight.data_ptr(), scales.data_ptr(), scales.shape[1], N, K,
                                     out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -400,34 +389,40 @@ def cache_ready(cache: torch.Tensor, bits: int) -> bool:
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, n_head: int, pos: int, starts: torch.Tensor | None = None,
-                     bits: int = 16, k_offset: torch.Tensor | None = None) -> torch.Tensor:
+                     bits: int = 16, k_offset: torch.Tensor | None = None, one_sequence: bool = False) -> torch.Tensor:
     """One new token of each of B sequences: rotary q and k (cos/sin float32 [B, head_dim]), k and v
     stored at `pos` of the row's caches ([B, n_kv, capacity, record]: bf16 values for bits 16, else
     kv_quant's uint8 records of the keys less k_offset (float32 [n_kv, head_dim]) and the values; each
     row contiguous), attention over the row's positions starts[b]..pos (int64 [B]; None: from 0).
-    qkv: bf16 [B, q|k|v]. Returns bf16 [B, n_head * head_dim]."""
-    B, n_kv, capacity, _ = cache_k.shape
+    one_sequence: the B rows are B new tokens of one sequence at pos..pos+B-1, whose caches are [1, n_kv,
+    capacity, record]: every token's keys stored, then each attends up to its own position, exactly as B
+    one-token steps in turn (a prefill whose every number is the steps'). qkv: bf16 [B, q|k|v]. Returns
+    bf16 [B, n_head * head_dim]."""
+    B = qkv.shape[0]
+    rows, n_kv, capacity, _ = cache_k.shape
     _check_rule(bits in (16, 8, 4) and n_head > 0 and n_kv > 0, f"{bits}-bit cache, {n_head} heads over {n_kv}")
     hd = qkv.shape[-1] // (n_head + 2 * n_kv)
     rec = kv_record_bytes(bits, hd) // cache_k.element_size()
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     for cache, name in ((cache_k, "cache_k"), (cache_v, "cache_v")):
-        _check_rule(cache_ready(cache, bits) and cache.shape == (B, n_kv, capacity, rec)
+        _check_rule(cache_ready(cache, bits) and cache.shape == (1 if one_sequence else B, n_kv, capacity, rec)
                     and cache.stride()[1:] == (capacity * rec, rec, 1) and cache.stride(0) == cache_k.stride(0),
                     f"{name} {tuple(cache.shape)} {cache.dtype}: want {bits}-bit records of [{n_kv}, {capacity}, {rec}]")
     _check(qkv, torch.bfloat16, (B, (n_head + 2 * n_kv) * hd), "qkv")
     _check_rule(n_head % n_kv == 0 and hd % 32 == 0, f"{n_head} heads over {n_kv} of {hd}")
     for t, name in ((cos, "cos"), (sin, "sin")):
         _check(t, torch.float32, (B, hd), name)
-    _check_rule(0 <= pos < capacity, f"position {pos} outside a cache of {capacity}")
+    last = pos + (B - 1 if one_sequence else 0)
+    _check_rule(0 <= pos and last < capacity, f"positions {pos}..{last} outside a cache of {capacity}")
     if k_offset is not None:
         _check(k_offset, torch.float32, (n_kv, hd), "k_offset")
     starts = checked_starts(starts, B, pos)
     out = torch.empty(B, n_head * hd, dtype=torch.bfloat16)
     library().qlite_decode_attention(qkv.data_ptr(), B, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
-                                     cache_v.data_ptr(), cache_k.stride(0) * cache_k.element_size(),
+                                     cache_v.data_ptr(), 0 if one_sequence else cache_k.stride(0) * cache_k.element_size(),
                                      _ptr(starts), n_head, n_kv, hd, capacity,
-                                     pos, 0, bits, _ptr(k_offset), out.data_ptr(), torch.get_num_threads())
+                                     pos, 1 if one_sequence else 0, bits, _ptr(k_offset), out.data_ptr(),
+                                     torch.get_num_threads())
     return out
 
 

@@ -69,6 +69,7 @@ class Plan:
     shaping: Shaping  # its constraint is None: each choice gets its own from `grammar`
     n: int = 1
     grammar: str | None = None
+    grammar_field: str = "response_format"  # the request field the grammar comes from (its errors name it)
     tools: list | None = None  # rendered into the prompt
     tool_mode: str | None = None  # None, "auto", "required" or a function's name
     echo: bool = False
@@ -120,9 +121,9 @@ def plan(body: dict, defaults: dict, vocab_size: int, chat: bool, tokenizer=None
         out.tool_mode = bad_field("tool_choice")(tool_choice, body.get("tool_choice"), out.tools)
         if out.tool_mode not in (None, "auto"):
             from .constrain import tool_call_grammar
-            out.grammar = bad_field("tool_choice")(
+            out.grammar, out.grammar_field = bad_field("tool_choice")(
                 lambda: tool_call_grammar(out.tools, None if out.tool_mode == "required" else out.tool_mode,
-                                          *markup_ids(tokenizer)))
+                                          *markup_ids(tokenizer))), "tools"
         if out.tool_mode is None:
             out.tools = None  # tool_choice none: the model is not shown them
     else:
@@ -140,7 +141,7 @@ def logit_bias(bias, vocab_size: int) -> dict | None:
         raise BadRequest("logit_bias must be an object of token id: bias", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):  # not "０"
             raise BadRequest(f"logit_bias: {key[:20]!r} is not a token id of this model (0 to {vocab_size - 1})",
                              "logit_bias")
         out[int(key)] = number({"logit_bias": value}, "logit_bias", float, 0.0, low=-100, high=100)

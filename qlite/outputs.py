@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,7 +27,10 @@ except ImportError:  # Windows: no advisory locks; outputs are still written ato
 
 
 def check_not_input(dst: Path, inputs, flag: str) -> None:
-    """An output (dir or file) is none of the inputs, no dir that holds one, and not inside one."""
+    """An output (dir or file) is a path the OS takes (no NUL byte), none of the inputs, no dir that holds
+    one, and not inside one."""
+    if "\0" in str(dst):
+        raise QliteError(f"{flag} {str(dst)!r}: a path cannot hold a NUL byte"[:300])
     here = Path(dst).resolve()
     for given in inputs:
         path = Path(given).expanduser().resolve()
@@ -136,7 +140,10 @@ def atomic_output_dir(dst: Path, force: bool = False, inputs=(), flag: str = "--
     that appeared meanwhile is never replaced without --force."""
     check_output(dst, force, inputs, flag)
     dst = Path(os.path.abspath(dst))  # "out/.." or "." has no name to put beside it
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a parent dir should be, no permission, ...
+        raise QliteError(f"{flag} {dst}: cannot make its directory {dst.parent} ({e.strerror or e})") from None
     _claim_leftovers(dst)
     tmp, fd = _claimed_dir(dst, "tmp")
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary dir
@@ -168,15 +175,18 @@ def write_error(e: OSError, tmp: Path, output: str) -> QliteError:
     """An OSError met while writing into tmp, as one line naming the output (or the file it was
     about, when that is not in tmp: a source that vanished, say)."""
     name = str(e.filename or "")
+    reason = e.strerror or str(e)
+    if e.errno is None and re.search(r"\d+ requested and \d+ written", reason):  # numpy's tofile, short
+        reason = "no space left on the device: a write stopped short"
     if not name or name.startswith(str(tmp)):
-        return QliteError(f"{output}: cannot be written ({e.strerror or e})")
-    return QliteError(f"{name}: {e.strerror or e}")
+        return QliteError(f"{output}: cannot be written ({reason})")
+    return QliteError(f"{name}: {reason}")
 
 
 @contextlib.contextmanager
-def atomic_output_file(path: Path):
+def atomic_output_file(path: Path, flag: str = "--out"):
     """Yield a temporary file path beside `path`; on success it replaces `path`, on failure it is
-    removed: the file is whole or untouched."""
+    removed: the file is whole or untouched. Errors name `flag` and the path."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else ".")
     os.close(fd)
@@ -186,15 +196,15 @@ def atomic_output_file(path: Path):
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise write_error(e, Path(tmp), str(path)) from None
+        raise write_error(e, Path(tmp), f"{flag} {path}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_file_atomic(path: Path, text: str) -> None:
+def write_file_atomic(path: Path, text: str, flag: str = "--out") -> None:
     """Write text to path through a temporary file beside it: the file is whole or untouched."""
-    with atomic_output_file(path) as tmp:
+    with atomic_output_file(path, flag) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 

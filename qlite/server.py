@@ -23,10 +23,12 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
 
+from .constrain import GrammarError
 from .decode import Done, Failed, Start, Token
 from .engine import Engine, Job
 from .errors import QliteError
@@ -85,6 +87,16 @@ class KeyGuard:
         await self.app(scope, receive, send)
 
 
+ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
+
+
+def check_origin(origin: str) -> None:
+    """--cors ORIGIN: * or a browser origin, scheme://host[:port] with nothing after (what an Origin header holds)."""
+    if origin != "*" and not ORIGIN.fullmatch(origin):
+        raise QliteError(f"--cors {origin[:80]!r}: an origin is scheme://host[:port], as https://app.example or "
+                         f"http://localhost:3000 (or * for any)")
+
+
 def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str | None = None, cors: tuple = ()):
     """The ASGI app. names: the model's name, or the names it answers to (the first is the one answers
     carry); a request naming another model gets 404 model_not_found, as OpenAI's API and vLLM answer."""
@@ -131,6 +143,8 @@ def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str 
             raise BadRequest("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise BadRequest(f"model must be a string, got {json.dumps(body['model'])[:40]}", "model")
         if body.get("model") is not None and body.get("model") not in names:
             raise unknown_model(body.get("model"))
         return body
@@ -146,11 +160,15 @@ def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str 
             raise BadRequest(f"{len(prompts)} prompts x n {plan.n}: at most {MAX_N} choices a request", "n")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice index, event)
+
+        def failed_param(ev: Failed, otherwise: str | None = None) -> str | None:  # the field a failure is about
+            return plan.grammar_field if ev.code == GrammarError.code else otherwise
         jobs, answers = [], []
         for p, prepare in enumerate(prompts):
             for j in range(plan.n):
                 index = len(jobs)
-                constraint = None if plan.grammar is None else await asyncio.to_thread(lm.constraint, plan.grammar)
+                constraint = None if plan.grammar is None else await asyncio.to_thread(
+                    bad_field(plan.grammar_field), lm.constraint, plan.grammar)  # a schema no text satisfies: 400
                 jobs.append(Job(prepare, plan.choice_params(j), lambda ev, i=index: loop.call_soon_threadsafe(
                     events.put_nowait, (i, ev)), plan.max_tokens, replace(plan.shaping, constraint=constraint),
                     plan.speculate))
@@ -174,7 +192,7 @@ def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str 
                 early.append((i, ev))
             if isinstance(ev, Failed):
                 cancel()
-                raise BadRequest(ev.message, "messages" if chat else "prompt", ev.status, ev.code)
+                raise BadRequest(ev.message, failed_param(ev, "messages" if chat else "prompt"), ev.status, ev.code)
             prompt_tokens += ev.prompt_tokens if i % plan.n == 0 else 0
             cached += ev.cached_tokens if i % plan.n == 0 else 0
         early.reverse()
@@ -204,7 +222,7 @@ def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str 
                             return JSONResponse({}, 499)
                         continue
                     if isinstance(ev, Failed):
-                        return error_response(ev.message, ev.status, code=ev.code)
+                        return error_response(ev.message, ev.status, failed_param(ev), ev.code)
                     if isinstance(ev, Done):
                         completion[i] = ev.completion_tokens
                         choices[i] = answers[i].whole("".join(pieces[i]), ev.reason)
@@ -229,8 +247,8 @@ def make_app(lm, engine: Engine, names, limits: Limits = Limits(), api_key: str 
                 while done < len(jobs):
                     i, ev = await next_event()
                     if isinstance(ev, Failed):
-                        yield chunk({"error": {"message": ev.message, "type": "server_error", "param": None,
-                                               "code": ev.code}})
+                        yield chunk({"error": {"message": ev.message, "param": failed_param(ev), "code": ev.code,
+                                               "type": "invalid_request_error" if ev.status < 500 else "server_error"}})
                         break
                     if isinstance(ev, Done):
                         completion[i], done = ev.completion_tokens, done + 1
@@ -324,6 +342,19 @@ def guarded_protocol(limits: Limits):
             if self.cycle is None or self.cycle.more_body or self.cycle.response_complete:
                 self.transport.close()  # a request half sent, or none: no answer is owed
 
+        def send_400_response(self, msg: str) -> None:
+            """Malformed HTTP, which never reaches the app: the same JSON error shape as every other answer
+            (uvicorn's own is plain text)."""
+            import h11
+            body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                         "param": None, "code": None}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
     return Guarded
 
 
@@ -368,6 +399,8 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     import socket
     if api_key is not None and not api_key.strip():
         raise QliteError("--api-key: empty (give the key clients will send, or leave the flag out)")
+    for origin in cors:
+        check_origin(origin)
     open_files_for(limits)
     try:
         with socket.create_server((host, port)):
@@ -392,6 +425,10 @@ def serve(model_dir, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
         f"KV cache {kv_cache} up to {engine.cache.cache.nbytes / engine.cache.cache.capacity * engine.ctx / 2 ** 20:.0f} MiB, "
         f"as used; bodies up to {limits.max_body_bytes} bytes, "
         f"{limits.max_connections} connections, {limits.timeout_s:g} s idle timeout)")
+    if engine.prompt_cache_off:
+        log(f"prompt cache: off, {engine.prompt_cache_off}")
+    log("authentication: a Bearer API key is required on /v1/" if api_key else
+        "authentication: none, any client that reaches the port may call /v1/ (--api-key or QLITE_API_KEY to require a key)")
     app = make_app(lm, engine, names, limits, api_key=api_key, cors=tuple(cors))
     config = server_config(app, host, port, limits, timeout_graceful_shutdown=60)
     try:

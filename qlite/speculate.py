@@ -158,9 +158,13 @@ class DraftModel(Drafter):
     cache of the sequence (kept between calls: each call rolls it back to what it shares with the sequence
     and feeds the rest in one forward: one drafter serves every sequence, one at a time, as speculation runs)."""
 
-    def __init__(self, model):
+    def __init__(self, model, target_vocab: int | None = None):
         self.model, self.cache, self.fed = model, None, []  # fed: the tokens in the cache, in order
         self.seconds_per_token = 0.0  # what a proposal costs (the last call's), for the Pacer
+        # vocabularies may differ past the shared tokenizer's ids (Qwen2.5 0.5B 151,936 rows, 7B 152,064): a
+        # sequence holding a token the draft has no row for is not drafted; a proposal the model has none for ends one
+        self.draft_vocab = model.config.vocab_size
+        self.target_vocab = target_vocab or self.draft_vocab
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -173,7 +177,7 @@ class DraftModel(Drafter):
     def _propose(self, tokens: list[int], k: int) -> list[int]:
         model, context = self.model, self.model.config.context_length
         k = min(k, context - len(tokens))
-        if k <= 0:
+        if k <= 0 or (self.draft_vocab < self.target_vocab and max(tokens) >= self.draft_vocab):
             return []
         if self.cache is None:
             self.cache = model.new_cache(1, min(context, len(tokens) + k + INITIAL_NEW_TOKENS), limit=context)
@@ -186,7 +190,11 @@ class DraftModel(Drafter):
         feed, drafts = tokens[shared:], []
         while True:
             out = model(torch.tensor([feed], device=model.device), self.cache, last_only=True)[0]  # (1, V)
-            drafts.append(int(model.ops.argmax_rows(out)[0][0]))
+            token = int(model.ops.argmax_rows(out)[0][0])
+            if token >= self.target_vocab:  # no row of the model's: the proposals end before it
+                self.fed = tokens + drafts
+                return drafts
+            drafts.append(token)
             if len(drafts) == k:
                 break
             feed = drafts[-1:]
@@ -194,9 +202,11 @@ class DraftModel(Drafter):
         return drafts
 
 
-def draft_model(path: Path, tokenizer) -> DraftModel:
+def draft_model(path: Path, tokenizer, vocab_size: int) -> DraftModel:
     """A draft model's dir, loaded (its own defaults: bf16, bf16 KV cache), its tokenizer checked to be
-    `tokenizer` (the model's)."""
+    `tokenizer` (the model's, whose embedding has vocab_size rows), whose every id both models have a row
+    for."""
+    from .config import load_config
     from .loader import load_model
     from .tokenizer import Tokenizer
     if not (path / "config.json").is_file():
@@ -206,7 +216,11 @@ def draft_model(path: Path, tokenizer) -> DraftModel:
         differ = len(set(ours.items()) ^ set(theirs.items()))
         raise QliteError(f"--speculate {path}: {path / 'tokenizer.json'} is not the model's tokenizer ({differ} "
                          "token entries differ): a draft model must share it")
-    return DraftModel(load_model(path))
+    draft_vocab = load_config(path).vocab_size
+    if tokenizer.tok.get_vocab_size() > min(vocab_size, draft_vocab):
+        raise QliteError(f"--speculate {path}: the draft's vocab_size is {draft_vocab} and the model's {vocab_size}, "
+                         f"but their tokenizer has {tokenizer.tok.get_vocab_size()} tokens: both must have a row for each")
+    return DraftModel(load_model(path), vocab_size)
 
 
 class Pacer:
@@ -364,7 +378,7 @@ class Speculation:
             return cls(PromptLookup(), most)
         if tokenizer is None:
             raise QliteError(f"--speculate {spec}: a draft model needs the model's tokenizer to check its own against")
-        return cls(draft_model(Path(spec).expanduser(), tokenizer), most)
+        return cls(draft_model(Path(spec).expanduser(), tokenizer, model.config.vocab_size), most)
 
     def decode(self, model, prompt: list[int], seq) -> Iterator[tuple[int, list]]:
         return decode_speculative(model, prompt, seq, self.drafter, self.most, self.stats)

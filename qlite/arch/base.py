@@ -9,6 +9,7 @@ import torch
 
 from ..errors import QliteError
 from . import rope
+from .config_fields import COMMON, check_fields
 
 ARCHITECTURES: dict[str, "Architecture"] = {}
 
@@ -52,6 +53,13 @@ class Architecture:
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         ARCHITECTURES[cls.model_type] = cls()
+
+    # config.json fields this type reads, accepts at some values or ignores, beyond COMMON's (config_fields.py)
+    config_fields: ClassVar[dict] = {}
+
+    def check_fields(self, d: dict, source: str) -> None:
+        """Refuse a config.json field this type does not know, or a value it does not run."""
+        check_fields(d, {**COMMON, **self.config_fields}, self.model_type, source)
 
     def attention_bias(self, d: dict, source: str) -> bool:
         from ..fields import field_of

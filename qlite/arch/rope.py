@@ -78,6 +78,13 @@ def dynamic_inv_freq(p: dict, head_dim: int, theta: float, seq_len: torch.Tensor
 SCALINGS = {"linear": (linear, ("factor",)), "dynamic": (dynamic, ("factor", "max_position_embeddings")), "yarn": (yarn, ("factor", "original_max_position_embeddings")),
             "llama3": (llama3, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))}
 OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# what a scaling's numbers may be (transformers refuses a factor under 1; past these bounds a config is
+# broken, not long: the angles or the context overflow, or the logits go NaN); others: 0..1e4
+RANGES = {"factor": (1, 1024), "attention_factor": (0, 100), "mscale": (0, 100), "mscale_all_dim": (0, 100),
+          "original_max_position_embeddings": (1, 2**31 - 1), "max_position_embeddings": (1, 2**31 - 1)}
+# fields any rope dict may hold: its type, the base (rope_parameters), the pretraining context (read where a
+# scaling uses it; linear's math has none), a rotated fraction (1 only)
+KNOWN = ("rope_type", "type", "rope_theta", "original_max_position_embeddings", "partial_rotary_factor")
 
 
 def checked(scaling: dict, accepted: tuple[str, ...], d: dict, model_type: str, source: str) -> tuple | None:
@@ -85,6 +92,14 @@ def checked(scaling: dict, accepted: tuple[str, ...], d: dict, model_type: str, 
     None for the default. The pretraining context defaults as transformers' does (the config's
     original_max_position_embeddings, else max_position_embeddings)."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1) != 1:
+        raise QliteError(f"{source}: rope partial_rotary_factor {scaling['partial_rotary_factor']!r}"[:200] +
+                         ": qlite rotates every dimension of a head (1.0) only")
+    known = KNOWN + (SCALINGS[kind][1] + OPTIONAL + ("truncate",) if kind in SCALINGS else ())
+    unknown = [k for k in scaling if k not in known]
+    if unknown and kind in accepted + (None, "default"):
+        raise QliteError(f"{source}: rope scaling / rope_parameters field {unknown[0][:80]!r}: qlite does not know "
+                         f"what it does to a {kind or 'default'} rotation, so it does not run it")
     if kind in (None, "default"):
         return None
     if kind not in accepted:
@@ -100,7 +115,10 @@ def checked(scaling: dict, accepted: tuple[str, ...], d: dict, model_type: str, 
     for name in SCALINGS[kind][1] + tuple(k for k in OPTIONAL if p.get(k) is not None):
         v = p.get(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise QliteError(f"{source}: rope scaling {kind} needs a positive {name}, got {v!r}")
+            raise QliteError(f"{source}: rope scaling {kind} needs a positive {name}, got {v!r}"[:300])
+        low, high = RANGES.get(name, (0, 1e4))
+        if not low <= v <= high:
+            raise QliteError(f"{source}: rope scaling {kind}: {name} {v!r} is outside {low:g}..{high:g}"[:300])
     if kind == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
         raise QliteError(f"{source}: rope scaling llama3: high_freq_factor must exceed low_freq_factor")
     if not isinstance(p.get("truncate", True), bool):

@@ -2,17 +2,13 @@
  * same loops in both kernel files; each defines dequantize_16_int8(w, scale, out) and
  * dequantize_32_int4(w, scale, zero, out) (16 bytes: 32 weights of one group) before including this. */
 
-/* tiled: w as the integer-activation products take it (qlite_tile_codes, lanes.h), else row-major */
-void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, int tiled, uint16_t *out,
-                           int threads) {
+/* w row-major, as stored (the integer-activation products' tiled codes are never dequantized) */
+void qlite_dequantize_int8(const int8_t *w, const uint16_t *scales, long G, long N, long K, uint16_t *out, int threads) {
     long gsize = K / G;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++) {
-        int8_t room[16];
+    for (long n = 0; n < N; n++)
         for (long k = 0; k < K; k += 16)  /* 16 weights, inside one group */
-            dequantize_16_int8(tiled ? tiled_int8_16(w, N, K, n, k, room) : w + n * K + k,
-                               _cvtsh_ss(scales[n * G + k / gsize]), out + n * K + k);
-    }
+            dequantize_16_int8(w + n * K + k, _cvtsh_ss(scales[n * G + k / gsize]), out + n * K + k);
 }
 
 void qlite_dequantize_int4(const uint8_t *w, const void *scales, const uint16_t *row_scales, const uint8_t *zeros,

@@ -13,10 +13,10 @@
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
  * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers, int4 and int8
- * weights "in lanes" (below, lanes.h); the dequantize_* functions write bf16 weights for a prefill's int8 layers
- * (past native.VNNI_MAX_ROWS rows) and the other formats, where a bf16 matmul wins.
+ * weights "in lanes" (below, lanes.h), at every row count; the dequantize_* functions write bf16 weights for a
+ * prefill's bf16 matmul where no such product takes a layer (no VNNI, widths it does not take).
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
- * and rotary + KV-cache write + attention for one token.
+ * and rotary + KV-cache write + attention for the new tokens (one per sequence, or a prefill's of one).
  * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
 #include "common.h"
 
@@ -239,11 +239,6 @@ static inline __attribute__((always_inline)) void lanes_tile_int8(
 
 #else
 int qlite_vnni_abi(void) { return 0; }
-/* no tiled codes without the integer-activation products (native.tile_codes): dequantize.h's row-major codes */
-static inline const int8_t *tiled_int8_16(const int8_t *w, long N, long K, long n, long k, int8_t *room) {
-    (void)N; (void)room;
-    return w + n * K + k;
-}
 #endif
 
 /* ---- dequantization to bf16 (rounded to nearest even from the fp32 value) --------------------- */

@@ -249,13 +249,6 @@ void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4
     else tile_lanes(src, dst, N, K, 2, threads);
 }
 
-/* the 16 int8 codes of row n from input k (k % 16 == 0) of codes tiled by qlite_tile_codes, copied to room */
-static inline const int8_t *tiled_int8_16(const int8_t *w, long N, long K, long n, long k, int8_t *room) {
-    long block = n / LROWS * LROWS, bn = N - block < LROWS ? N - block : LROWS;
-    for (long i = 0; i < 8; i++) memcpy(room + 2 * i, w + block * K + ((k / 2 + i) * bn + n - block) * 2, 2);
-    return room;
-}
-
 /* x bf16 [M, K] times w: int4 (zeros not NULL) or int8 (zeros and row_scales NULL); codes as qlite_tile_codes lays
  * them out */
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,

@@ -47,7 +47,7 @@ def test_measure_smoke_run_on_a_one_layer_0_5b_shape(tmp_path):
     assert quantized[2] == "rtn" and float(quantized[3]) > 0 and 300 < float(quantized[5]) < 4000  # peak MiB
     assert 100 < float(quantized[6]) < float(quantized[5])  # peak anonymous MiB: torch's own, under the RSS
     assert 0 < float(quantized[7]) < 2 * SHAPES["0.5b"].parameters(1) / 2**20  # quantized: under the bf16 size
-    assert timed[1] == "qlite int4-g128" and float(timed[3]) > 0 and float(timed[4]) > 0  # prefill, decode tok/s
+    assert timed[1] == "qlite rtn" and float(timed[3]) > 0 and float(timed[4]) > 0  # prefill, decode tok/s
     assert (tmp_path / "scale.md").read_text().startswith("| shape |")
     bad = CliRunner().invoke(main, ["measure", "0.5b", "--recipes", "rtn,awq", "--dir", str(tmp_path / "work")])
     assert bad.exit_code != 0 and "--recipes: unknown awq" in bad.output

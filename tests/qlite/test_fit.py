@@ -96,18 +96,15 @@ def test_the_scratch_is_the_largest_linear_a_prefill_dequantizes(ckpt32, monkeyp
     assert fit.scratch_bytes(CheckpointDir(ckpt32[0]).config) == 0
 
 
-def test_int8_layers_dequantize_for_a_prefill_only_where_their_product_has_a_row_limit(ckpt32, tmp_path, monkeypatch):
-    """int8 weights: AVX2 runs their integer-activation product at every row count (vnni_max_rows
-    unbounded), so only down (192 wide: not whole chunks) is dequantized; AVX-512 stops it at 16 rows per
-    sequence, so gate|up is dequantized too."""
-    import sys
-
+def test_int8_layers_dequantize_for_a_prefill_only_where_the_integer_product_cannot_take_them(ckpt32, tmp_path,
+                                                                                                monkeypatch):
+    """int8 weights: the integer-activation product runs at every row count, so only down (192 wide: not
+    whole chunks) is dequantized; without that product, gate|up is too."""
     from qlite import native
     from quantize.convert import convert
     int8 = CheckpointDir(convert(ckpt32[0], tmp_path / "int8", bits=8, progress=False, report=False).out_dir)
     down, gate_up = 2 * 128 * 192, 2 * 2 * 192 * 128
     monkeypatch.setattr(native, "vnni_ready", lambda: True)
-    monkeypatch.setattr(native, "vnni_max_rows", lambda: sys.maxsize)
     assert fit.scratch_bytes(int8.config) == down
-    monkeypatch.setattr(native, "vnni_max_rows", lambda: 16)
+    monkeypatch.setattr(native, "vnni_ready", lambda: False)
     assert fit.scratch_bytes(int8.config) == gate_up

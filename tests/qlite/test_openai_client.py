@@ -153,3 +153,43 @@ def test_models_and_errors(client):
     assert e.value.param == "response_format"
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="tiny", input="hi")
+
+
+RECURSIVE = {
+    "root": {"$ref": "#"},
+    "defs-cycle": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    "property-to-root": {"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}},
+                         "required": ["v"]},
+    "nested-arrays": {"type": "array", "items": {"$ref": "#"}},
+    "linked-list": {"$defs": {"node": {"type": "object", "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["next"]}},
+        "$ref": "#/$defs/node"},
+}
+
+
+UNSATISFIABLE = ("root", "defs-cycle")  # no document leaves the cycle
+# llguidance's lexer may give up on arrays nested without bound as the model nests them (its limit of 50,000
+# items): then a 400 too, naming the field
+MAY_FAIL = ("nested-arrays",)
+
+
+@pytest.mark.parametrize("name", sorted(RECURSIVE))
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_recursive_schemas_are_served_or_a_400_naming_the_field(client, name, where):
+    """Recursive JSON schemas got a 500 (NoExtensionBias: a $ref cycle no document can leave). Bounded
+    recursion is served (the grammar unfolds as the text nests); a schema no text satisfies is the client's
+    error, a 400 naming the field it came in."""
+    schema = RECURSIVE[name]
+    ask = dict(model="tiny", messages=user("the"), max_tokens=40, temperature=1.0, seed=1)
+    if where == "response_format":
+        ask["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    else:
+        ask["tools"] = [{"type": "function", "function": {"name": "r", "parameters": schema}}]
+        ask["tool_choice"] = "required"
+    try:
+        r = client.chat.completions.create(**ask)
+    except openai.BadRequestError as e:
+        assert e.param == where and name in UNSATISFIABLE + MAY_FAIL, (name, e.message)
+        assert ("no JSON document satisfies" in e.message) == (name in UNSATISFIABLE)
+    else:
+        assert name not in UNSATISFIABLE and r.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -1,15 +1,20 @@
 """The server's prompt cache: what it keeps and drops (unit), and in the engine a chat's next turn that
 reuses the previous turn's keys and values, prefilling only the rest, with the answer of an uncached run."""
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from qlite.decode import Done, Failed, Start, Text
+from qlite import native
+from qlite.backends import exact_rows
+from qlite.decode import Done, Failed, Start, Text, Token
 from qlite.engine import Engine, Job
+from qlite.kv_quant import KINDS
 from qlite.pipeline import load
 from qlite.prompt_cache import MIN_REUSE, PromptCache
+from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
 
 
 def kv(n, fill=0.0):
@@ -34,9 +39,21 @@ def test_longest_start_wins_longer_entries_supersede_and_the_budget_evicts_the_o
     assert len(cache.entries) == 2
 
 
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here: no prompt cache")
+
+
 @pytest.fixture(scope="module")
-def lm(tiny_ckpt):
-    return load(tiny_ckpt, dtype="float32")
+def int4_dir(tmp_path_factory):
+    """An int4 model (int8 head) on native widths: in bf16 every number of its forwards is the same at any
+    row count and cut (backends.exact_rows), which the prompt cache needs."""
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path_factory.mktemp("pcache") / "bf16", **NATIVE_WIDTHS)
+    return convert(src, src.parent / "int4", bits=4, group_size=128, progress=False).out_dir
+
+
+@pytest.fixture(scope="module")
+def lm(int4_dir):
+    return load(int4_dir, dtype="bfloat16")
 
 
 def ask(engine, lm, messages, max_tokens=12):
@@ -56,6 +73,7 @@ def ask(engine, lm, messages, max_tokens=12):
     return "".join(out["text"]), out["cached"]
 
 
+@needs_native
 def test_a_chats_next_turn_starts_from_the_previous_turns_keys_and_values(lm):
     first = [{"role": "system", "content": "You answer in the he the in a."}, {"role": "user", "content": "the he in"}]
     engine = Engine(lm, max_batch=4, ctx=256).start()
@@ -78,6 +96,7 @@ def test_a_chats_next_turn_starts_from_the_previous_turns_keys_and_values(lm):
         off.stop()
 
 
+@needs_native
 def test_prompts_it_holds_prefill_together_and_one_held_but_its_last_token_joins_as_a_row(lm, monkeypatch):
     """Three prompts that start with a finished request's tokens, arriving together, prefill as one group
     from their cached columns: one forward over the most tokens any of them has left. That request's
@@ -133,3 +152,82 @@ def test_prompts_it_holds_prefill_together_and_one_held_but_its_last_token_joins
     assert fills == [(3, *rests)]  # one forward for the group; none for base again
     assert cached[base] == len(lm.prompt_ids(base, chat=False)) - 1
     assert hits["hits"] == 4 and hits["reused_tokens"] == sum(cached.values())
+
+
+# --- one rule for every key and value: a prompt's numbers do not depend on what the cache held (issue 54) ---
+
+@needs_native
+@pytest.mark.usefixtures("native_isa")
+@pytest.mark.parametrize("kv", sorted(KINDS))
+def test_a_prompt_gives_the_same_bits_however_it_was_cut(int4_dir, kv):
+    """The logits after a prompt prefilled whole equal, bit for bit, those after its prefix prefilled first
+    (as a cached prefix is) and the rest after it in one forward or token by token: every key and value is
+    read back from the cache's records by the decode step's arithmetic, and every product is row-exact. With
+    the int4 cache, 4 of 26 greedy answers changed when their prefix came from the prompt cache."""
+    from qlite.loader import load_model
+    model = load_model(int4_dir, dtype="bfloat16", kv_cache=kv)
+    assert exact_rows(model) == sys.maxsize
+    ids = torch.randint(0, 260, (1, 150), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = model(ids, model.new_cache(1, 160), last_only=True)[0, -1]
+        for cuts in ((20,), (64, 100), (17, 140, 149), tuple(range(140, 150))):
+            cache, start = model.new_cache(1, 16, limit=160), 0  # grows as it goes, as a server row's does
+            for end in (*cuts, 150):
+                out = model(ids[:, start:end], cache, last_only=True)[0, -1]
+                start = end
+            assert torch.equal(out, whole), cuts
+
+
+def greedy_tokens(engine, lm, prompts, max_tokens=20):
+    """Each prompt's greedy token ids and cached tokens, all submitted at once."""
+    done, out = [], [None] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        event, tokens, info = threading.Event(), [], {}
+
+        def emit(e, tokens=tokens, event=event, info=info, i=i):
+            if isinstance(e, Start):
+                info["cached"] = e.cached_tokens
+            elif isinstance(e, Token):
+                tokens.append(e.token)
+            elif isinstance(e, (Done, Failed)):
+                out[i] = (tokens if isinstance(e, Done) else e, info.get("cached"))
+                event.set()
+        engine.submit(Job(prepare=lambda p=prompt: list(p), params=lm.params(temperature=0), emit=emit,
+                          max_tokens=max_tokens))
+        done.append(event)
+    assert all(e.wait(120) for e in done)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("kv", sorted(KINDS))
+def test_the_same_greedy_request_cold_warm_and_in_a_batch_of_8_answers_the_same(lm, monkeypatch, kv):
+    """A long shared prefix and short suffixes: each request alone on a server without a prompt cache,
+    then cold, warm (its prefix from the cache) and all 8 at once sharing their prefix: the same tokens."""
+    monkeypatch.setattr(lm.model, "kv_bits", KINDS[kv])
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 260, (120,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 260, (n,), generator=gen).tolist() for n in (3, 5, 1, 7, 2, 9, 4, 6)]
+    off = Engine(lm, max_batch=8, ctx=256, prompt_cache_bytes=0).start()
+    try:
+        want = [greedy_tokens(off, lm, [p])[0][0] for p in prompts]
+    finally:
+        off.stop()
+    on = Engine(lm, max_batch=8, ctx=256).start()
+    try:
+        cold = greedy_tokens(on, lm, prompts[:1])
+        warm = [greedy_tokens(on, lm, [p])[0] for p in prompts]
+        batch = greedy_tokens(on, lm, prompts)
+    finally:
+        on.stop()
+    assert cold == [(want[0], 0)]
+    assert [t for t, _ in warm] == want and all(cached >= len(prefix) for _, cached in warm)
+    assert [t for t, _ in batch] == want and all(cached >= len(prefix) for _, cached in batch)
+
+
+def test_where_a_prefill_is_not_row_exact_the_prompt_cache_is_off_and_says_why(tiny_ckpt):
+    """float32 on torch's matmuls: a cached prefix would change answers' bits, so there is none."""
+    lm32 = load(tiny_ckpt, dtype="float32")
+    engine = Engine(lm32, max_batch=2, ctx=64)
+    assert engine.prompt_cache is None and "not row-exact" in engine.prompt_cache_off
+    assert "prompt_cache" not in engine.load()

@@ -209,6 +209,7 @@ def test_serve_command_exits_130_on_ctrl_c(tiny_ckpt):
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted"
+    assert "authentication: none, any client that reaches the port may call /v1/" in err  # said at start
     with socket.create_server(("127.0.0.1", port)):  # the port is free again
         pass
     busy = socket.create_server(("127.0.0.1", 0))
@@ -298,6 +299,10 @@ HI = [{"role": "user", "content": "hi"}]
      "include_usage must be true or false"),
     (b"[" * 20000 + b"]" * 20000, 400, "nested too deeply"),
     (b" " * (LIMITS.max_body_bytes + 1), 413, "--max-body-bytes"),
+    (json.dumps({"messages": HI, "model": ["tiny"]}).encode(), 400, "model must be a string"),  # was a 404
+    (json.dumps({"messages": HI, "model": 7}).encode(), 400, "model must be a string"),
+    (json.dumps({"messages": HI, "logit_bias": {"\uff10": 5}}).encode(), 400, "is not a token id"),  # was token 0
+    (json.dumps({"prompt": "the", "logit_bias": {"\u0663": 5}}).encode(), 400, "is not a token id"),
 ])
 def test_a_hostile_request_fails_alone_beside_a_stream(server, lm, raw, status, needle):
     port, engine = server
@@ -345,6 +350,27 @@ def test_every_status_is_json(server, method, path, status):
     port, _ = server
     error = json_error(call(port, path, {} if method == "POST" else None, method=method), status)
     assert error["message"]
+
+
+def test_malformed_http_is_answered_in_the_json_error_shape(server):
+    """uvicorn's own answer to a request it cannot parse was plain text."""
+    port, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GARBAGE \x00\x01 NOT HTTP\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
+
+
+@pytest.mark.parametrize("origin", ["not a url", "https://app.example/path", "ftp://x.example", "https://", "*.example"])
+def test_a_cors_origin_that_is_no_origin_is_refused(tiny_ckpt, capsys, origin):
+    from cli_checks import assert_one_line_error, run_cli
+    code, _, err = run_cli(capsys, "serve", "-m", tiny_ckpt, "--port", free_port(), "--cors", origin)
+    assert_one_line_error(code, err, f"--cors {origin!r}: an origin is scheme://host[:port]")
 
 
 def test_a_connection_that_sends_nothing_or_half_a_request_is_closed_after_the_timeout(server):
@@ -439,6 +465,22 @@ def test_models_by_name_unknown_models_and_embeddings(server):
     status, payload = call(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": 100000})
     assert status == 400 and json.loads(payload)["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("flag, env, where", [
+    ((), "", "QLITE_API_KEY"), ((), "  ", "QLITE_API_KEY"), (("--api-key", ""), None, "--api-key"),
+    (("--api-key", " "), "s3cret", "--api-key"),
+])
+def test_a_blank_api_key_is_refused_from_the_flag_and_the_environment(tiny_ckpt, capsys, monkeypatch, flag, env, where):
+    """QLITE_API_KEY='' served with no authentication and said nothing (click reads an empty variable as
+    unset); one rule for both now, before anything is loaded."""
+    from cli_checks import assert_one_line_error, run_cli
+    if env is None:
+        monkeypatch.delenv("QLITE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("QLITE_API_KEY", env)
+    code, _, err = run_cli(capsys, "serve", "-m", tiny_ckpt, "--port", free_port(), *flag)
+    assert_one_line_error(code, err, f"{where}: empty")
 
 
 def test_api_key_cors_and_aliases(lm):
