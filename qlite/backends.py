@@ -15,6 +15,7 @@ A backend that cannot run a layer (`--kernel native` on a CPU without AVX2 or a 
 one-line error naming the layer. A new kernel is one class in kernels.py plus its place in this table."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -99,16 +100,20 @@ BACKENDS = {
 }
 
 
-def exact_rows(model: nn.Module) -> int:
-    """The rows per sequence up to which a forward's every number is the same whatever the row count, the
-    batch and the cut into forwards: each product's (kernel.exact_rows; torch's matmuls none) and attention
-    (NativeOps reads every key and value back from the cache, token by token as a step does: bf16 on the
-    CPU, head_dim a multiple of 32). sys.maxsize: a prompt's numbers never depend on how it was prefilled."""
-    linears = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
+def exact_prefill(model: nn.Module) -> bool:
+    """Whether a prompt's numbers never depend on how it was cut into forwards, what a cache held or the batch
+    beside it: every decoder product the same at any row count (kernel.exact_rows; torch's matmuls: never), the
+    head at one row per sequence (a prefill takes it on its last token only), and attention through NativeOps,
+    which reads every key and value back from the cache as a step does (bf16 on the CPU, head_dim a multiple
+    of 32). What the prompt cache needs (engine.py)."""
     if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or native.library() is None
             or model.config.head_dim % 32 or any(m.ops is not NativeOps for m in model.modules() if hasattr(m, "ops"))):
-        return 0
-    return min((getattr(getattr(m, "kernel", None), "exact_rows", 0) for m in linears), default=0)
+        return False
+
+    def rows(m):
+        return getattr(getattr(m, "kernel", None), "exact_rows", 0)
+    decoder = [m for m in model.model.layers.modules() if isinstance(m, (Linear, QuantLinear))]
+    return all(rows(m) == sys.maxsize for m in decoder) and rows(model.lm_head) >= 1
 
 
 def backend_named(name: str) -> Backend:

@@ -22,7 +22,6 @@ uneven proposals per row would need a cache whose rows end at different places (
 from __future__ import annotations
 
 import collections
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .backends import exact_rows
+from .backends import exact_prefill
 from .decode import Event, Failed, RowCache, Sequence, Shaping, Start
 from .errors import QliteError
 from .generate import SamplingParams, left_padded
@@ -127,12 +126,12 @@ class Engine:
         self.stopping = False
         self.pacer = None  # speculation's, shared by the requests
         # a prefix from the cache must give the bits a fresh prefill would: only where every number of a
-        # forward is the same at any row count and cut (backends.exact_rows); elsewhere it stays off, said why
+        # prefill is the same at any row count and cut (backends.exact_prefill); elsewhere it stays off, said why
         self.prompt_cache_off = None
-        if self.prompt_cache_bytes and exact_rows(model) < sys.maxsize:
+        if self.prompt_cache_bytes and not exact_prefill(model):
             self.prompt_cache_bytes, self.prompt_cache_off = 0, (
-                "this run's prefill products or attention are not row-exact (a float32 or non-native run, or 16-bit "
-                "or int8 layers that a prefill multiplies by matmul), so a cached prefix would change answers")
+                "this run's prefill is not row-exact (a float32 or non-native run, or decoder layers that a prefill "
+                "multiplies by a matmul: 16-bit ones), so a cached prefix would change answers")
         self.prompt_cache = PromptCache(self.prompt_cache_bytes) if self.prompt_cache_bytes else None
         self.thread = threading.Thread(target=self._run, name="qlite-engine", daemon=True)
 

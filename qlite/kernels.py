@@ -15,7 +15,7 @@ needs and is called with the activations. backends.py says which kernels a backe
   multiplies in integers, as llama.cpp does, in one product "in lanes" (csrc/lanes.h), a scale per row
   and group of at most 128 inputs and integer sums per group: int4 weights meet int8 activations, int8
   weights int16 ones, at every row count, decode and prefill, so each row's result is the same at any row
-  count (which the prompt cache needs: backends.exact_rows). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
+  count (which the prompt cache needs: backends.exact_prefill). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
   vpmaddwd.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""

@@ -414,7 +414,7 @@ class Qwen2ForCausalLM(nn.Module):
         forwards of at most prefill_chunk tokens). key_mask (B, cache.length + T), True for real tokens,
         is needed only for padded batches; positions (B, T) default to cache.length + 0..T-1. head=False:
         the cache filled, no logits (None): a prompt's chunks before its last.
-        Where the products are row-exact and attention reads the cache back as a step does (backends.exact_rows:
+        Where the products are row-exact and attention reads the cache back as a step does (backends.exact_prefill:
         the native bf16 run), every logit is bitwise what one-token steps give, however the tokens are cut.
         exact (unpadded rows, a cache, T <= native.MAX_ROWS): the rotary angles token by token too, as steps
         compute them (they differ for dynamic NTK), and the fused decode layers may take the T tokens

@@ -102,4 +102,5 @@ def check_fields(d: dict, table: dict, model_type: str, source: str) -> None:
             raise QliteError(f"{source}: field {name[:80]!r}: qlite does not know what it does to a {model_type} "
                              f"model, so it does not run it (remove the field if it changes nothing)")
         if isinstance(rule, Only) and not rule.ok(value):
-            raise QliteError(f"{source}: {name} {value!r}"[:200] + f": qlite runs {rule.runs} only")
+            raise QliteError(f"{source}: {name} {value!r}"[:200] + f": qlite does not implement it (it runs {rule.runs} "
+                             f"only)")

@@ -1,6 +1,5 @@
 """The server's prompt cache: what it keeps and drops (unit), and in the engine a chat's next turn that
 reuses the previous turn's keys and values, prefilling only the rest, with the answer of an uncached run."""
-import sys
 import threading
 import time
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from qlite import native
-from qlite.backends import exact_rows
+from qlite.backends import exact_prefill
 from qlite.decode import Done, Failed, Start, Text, Token
 from qlite.engine import Engine, Job
 from qlite.kv_quant import KINDS
@@ -44,8 +43,8 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="native kerne
 
 @pytest.fixture(scope="module")
 def int4_dir(tmp_path_factory):
-    """An int4 model (int8 head) on native widths: in bf16 every number of its forwards is the same at any
-    row count and cut (backends.exact_rows), which the prompt cache needs."""
+    """An int4 model (int8 head) on native widths: in bf16 every number of its prefills is the same at any
+    row count and cut (backends.exact_prefill), which the prompt cache needs."""
     from quantize.convert import convert
     src = make_checkpoint(tmp_path_factory.mktemp("pcache") / "bf16", **NATIVE_WIDTHS)
     return convert(src, src.parent / "int4", bits=4, group_size=128, progress=False).out_dir
@@ -166,7 +165,7 @@ def test_a_prompt_gives_the_same_bits_however_it_was_cut(int4_dir, kv):
     the int4 cache, 4 of 26 greedy answers changed when their prefix came from the prompt cache."""
     from qlite.loader import load_model
     model = load_model(int4_dir, dtype="bfloat16", kv_cache=kv)
-    assert exact_rows(model) == sys.maxsize
+    assert exact_prefill(model)
     ids = torch.randint(0, 260, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         whole = model(ids, model.new_cache(1, 160), last_only=True)[0, -1]

@@ -95,8 +95,23 @@ def stream_pieces(port, path, body):
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_chat_answer_and_stream_equal_the_python_api(server, lm):
-    port, _ = server
+@pytest.fixture(scope="module")
+def native_lm(tmp_path_factory):
+    """An int4 model on native widths in bf16: its prefills are row-exact, so its server keeps a prompt cache
+    (the float32 `lm`'s stays off: engine.py)."""
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path_factory.mktemp("native") / "bf16", **NATIVE_WIDTHS)
+    return load(convert(src, src.parent / "int4", bits=4, group_size=128, progress=False).out_dir, dtype="bfloat16")
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here: no prompt cache")
+def test_chat_answer_and_stream_equal_the_python_api(native_lm):
+    lm = native_lm
+    with running(lm, Engine(lm, max_batch=8, ctx=128, max_queue=4).start()) as (port, _):
+        check_chat_answer_and_stream(port, lm)
+
+
+def check_chat_answer_and_stream(port, lm):
     want = lm.generate([{"role": "user", "content": "the"}], max_new_tokens=12)
     got = chat(port, "the", max_tokens=12)
     assert got["object"] == "chat.completion" and got["choices"][0]["message"] == {"role": "assistant",

@@ -61,6 +61,11 @@ def test_loads_runs_and_reports(quantized):
 
 def test_generate_and_eval(quantized, capsys):
     src, out = quantized
+    code, text, _ = run_cli(capsys, "info", out)
+    stored, source = CheckpointDir(out), CheckpointDir(src)
+    params = sum(torch.Size(t.shape).numel() for t in source.tensors.values())  # a tied table counted once
+    assert code == 0 and f"parameters     {params:,} " in text
+    assert f"tensor bytes   {sum(t.nbytes for t in stored.tensors.values()):,} " in text
     code, text, _ = run_cli(capsys, "generate", "-m", out, "-p", "the", "--max-new-tokens", "6", "--temperature", "0")
     assert code == 0 and text
     code, table, err = run_cli(capsys, "eval", out, "--baseline", src, "--ctx", "64", "--max-chunks", "2")
