@@ -64,8 +64,18 @@ def test_a_forced_tool_call_is_the_markup_around_valid_arguments(lm):
         jsonschema.validate(call["arguments"], SCHEMAS[2] if call["name"] == "pick" else SCHEMAS[1])
 
 
+def nested(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize("schema, needle", [({"type": 5}, "type"), ([1], "object"),
-                                            ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "")])
+                                            ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, ""),
+                                            (nested(3000), "recursion limit exceeded"),  # oversized: refused
+                                            ({"type": "object", "properties": {f"p{i}": {"type": "string"}
+                                                                               for i in range(20000)}}, "too large")])
 def test_a_bad_schema_is_a_one_line_error(schema, needle):
     with pytest.raises(QliteError, match=needle) as e:
         json_schema_grammar(schema, "--json-schema s.json")
