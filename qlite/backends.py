@@ -105,9 +105,11 @@ def exact_prefill(model: nn.Module) -> bool:
     beside it: every decoder product the same at any row count (kernel.exact_rows; torch's matmuls: never), the
     head at one row per sequence (a prefill takes it on its last token only), and attention through NativeOps,
     which reads every key and value back from the cache as a step does (bf16 on the CPU, head_dim a multiple
-    of 32). What the prompt cache needs (engine.py)."""
+    of 32); and rotary angles that do not depend on the forward's length (dynamic NTK's do, past the context).
+    What the prompt cache needs (engine.py)."""
     if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or native.library() is None
-            or model.config.head_dim % 32 or any(m.ops is not NativeOps for m in model.modules() if hasattr(m, "ops"))):
+            or model.config.head_dim % 32 or model.model.rotary.dynamic is not None
+            or any(m.ops is not NativeOps for m in model.modules() if hasattr(m, "ops"))):
         return False
 
     def rows(m):

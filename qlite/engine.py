@@ -130,8 +130,8 @@ class Engine:
         self.prompt_cache_off = None
         if self.prompt_cache_bytes and not exact_prefill(model):
             self.prompt_cache_bytes, self.prompt_cache_off = 0, (
-                "this run's prefill is not row-exact (a float32 or non-native run, or decoder layers that a prefill "
-                "multiplies by a matmul: 16-bit ones), so a cached prefix would change answers")
+                "this run's prefill is not row-exact (a float32 or non-native run, decoder layers that a prefill "
+                "multiplies by a matmul: 16-bit ones, or dynamic NTK rope), so a cached prefix would change answers")
         self.prompt_cache = PromptCache(self.prompt_cache_bytes) if self.prompt_cache_bytes else None
         self.thread = threading.Thread(target=self._run, name="qlite-engine", daemon=True)
 

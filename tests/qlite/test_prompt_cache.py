@@ -224,9 +224,15 @@ def test_the_same_greedy_request_cold_warm_and_in_a_batch_of_8_answers_the_same(
     assert [t for t, _ in batch] == want and all(cached >= len(prefix) for _, cached in batch)
 
 
-def test_where_a_prefill_is_not_row_exact_the_prompt_cache_is_off_and_says_why(tiny_ckpt):
-    """float32 on torch's matmuls: a cached prefix would change answers' bits, so there is none."""
-    lm32 = load(tiny_ckpt, dtype="float32")
-    engine = Engine(lm32, max_batch=2, ctx=64)
-    assert engine.prompt_cache is None and "not row-exact" in engine.prompt_cache_off
-    assert "prompt_cache" not in engine.load()
+def test_where_a_prefill_is_not_row_exact_the_prompt_cache_is_off_and_says_why(tiny_ckpt, int4_dir, tmp_path):
+    """float32 on torch's matmuls, or dynamic NTK (its angles follow the forward's length past the context): a
+    cached prefix would change answers' bits, so there is none."""
+    import json
+    import shutil
+    dynamic = shutil.copytree(int4_dir, tmp_path / "dynamic")
+    config = json.loads((dynamic / "config.json").read_text())
+    (dynamic / "config.json").write_text(json.dumps(dict(config, rope_scaling={"type": "dynamic", "factor": 2.0})))
+    for lm in (load(tiny_ckpt, dtype="float32"), load(dynamic, dtype="bfloat16")):
+        engine = Engine(lm, max_batch=2, ctx=64)
+        assert engine.prompt_cache is None and "not row-exact" in engine.prompt_cache_off
+        assert "prompt_cache" not in engine.load()
