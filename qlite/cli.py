@@ -505,7 +505,7 @@ def check_writable(path: Path | None, flag: str, inputs=()) -> None:
 @click.option("--baseline", required=True, type=PathArg(path_type=Path), help="the 16-bit checkpoint dir")
 @click.option("--data", multiple=True, default=("code", "prose"), show_default=True,
               help="code, prose (built in, offline) or a text file; repeatable; none: no perplexity/KLD")
-@click.option("--ctx", type=at_least(2), default=512, show_default=True, help="tokens per chunk")
+@click.option("--ctx", type=at_least(2), help="tokens per chunk (default: 512, or the baseline's context if shorter)")
 @click.option("--max-chunks", type=at_least(1), help="at most this many chunks per data source")
 @click.option("--tasks", help="also run code tasks: builtin (69 Python tasks) or a JSON Lines file")
 @click.option("--max-tasks", type=at_least(1), help="the first N tasks only")
@@ -544,6 +544,9 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
             raise QliteError(f"--tasks: {ggufs[0]} is a GGUF; code tasks run qlite checkpoints (score GGUFs with --data)")
         code_tasks = load_tasks(tasks)[:max_tasks]
     kv_caches = tuple(dict.fromkeys(kv_caches))
+    if ctx is None:  # a model with a shorter context is scored at its own
+        from .config import load_config
+        ctx = min(512, load_config(baseline).context_length)
     rows = evaluate(model_dirs, baseline, data=data, ctx=ctx, max_chunks=max_chunks, dtype=dtype, kernel=kernel,
                     decode=decode, kv_caches=kv_caches) if data else []
     code_rows = None

@@ -40,6 +40,16 @@ def test_cli_writes_table_and_json(capsys, base_and_quant, tmp_path):
     assert (tmp_path / "r.md").read_text().startswith("| model |")
 
 
+def test_without_ctx_a_model_with_a_shorter_context_is_scored_at_its_own(capsys, base_and_quant, tmp_path):
+    """The default 512 refused a baseline whose context is 256 ('--ctx 512: longer than the model's context')."""
+    base, quant, text = base_and_quant
+    code = main(["eval", str(quant), "--baseline", str(base), "--data", str(text), "--max-chunks", "1",
+                 "--json", str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["rows"][0]["metrics"]["tokens"] == 255  # one chunk of the context's 256 tokens
+
+
 def test_mismatched_tokenizer_is_refused(capsys, base_and_quant, tmp_path):
     base, _, text = base_and_quant
     other = make_checkpoint(tmp_path / "other", seed=1, vocab_size=600)
