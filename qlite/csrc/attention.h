@@ -66,28 +66,36 @@ static inline void decode_record(const uint8_t *rec, int bits, long hd, const fl
 }
 
 #define KV_BLOCK 64  /* records decoded at a time into an fp32 tile (16 KiB at hd 64) */
+#define QUERY_TILE 4  /* a prefill's tokens of one sequence that read each block of records once, together */
 
-/* Attention of the rep query heads qr (rotated and scaled, fp32 [rep, hd]) sharing one kv head, over
- * S records rec bytes apart: each key and value record decoded once (into a tile that stays in L1) for all
- * of them; out: bf16 [rep, hd]. buf: room for rep * S + hd * (rep + KV_BLOCK) floats. */
-static void attend_records(const float *qr, long rep, const uint8_t *K, const uint8_t *V, long S, long rec, int bits,
-                           long hd, float *buf, uint16_t *out) {
-    float *scores = buf, *acc = buf + rep * S, *tile = acc + rep * hd;
-    for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
-        long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
+/* Attention of nq query heads qr (rotated and scaled, fp32 [nq, hd]) sharing one kv head, query q over the first
+ * S[q] of the records rec bytes apart (S non-decreasing, Smax its last): each key and value record decoded once
+ * (into a tile that stays in L1) for all of them, and every query's dots, exponentials and sums taken in the order
+ * they take for that query alone, so its result is the same whatever queries share the tile. Query q's output:
+ * bf16 [hd] at out + (q / rep) * out_stride + (q % rep) * hd. buf: room for nq * (Smax + hd) + hd * KV_BLOCK floats. */
+static void attend_records(const float *qr, long nq, const long *S, long rep, const uint8_t *K, const uint8_t *V,
+                           long rec, int bits, long hd, float *buf, uint16_t *out, long out_stride) {
+    long Smax = S[nq - 1];
+    float *scores = buf, *acc = buf + nq * Smax, *tile = acc + nq * hd;
+    for (long t0 = 0; t0 < Smax; t0 += KV_BLOCK) {
+        long n = Smax - t0 < KV_BLOCK ? Smax - t0 : KV_BLOCK;
         for (long t = 0; t < n; t++) decode_record(K + (t0 + t) * rec, bits, hd, NULL, tile + t * hd);
-        for (long j = 0; j < rep; j++) dots_f32(qr + j * hd, tile, n, hd, scores + j * S + t0);
+        for (long j = 0; j < nq; j++)
+            if (S[j] > t0) dots_f32(qr + j * hd, tile, S[j] - t0 < n ? S[j] - t0 : n, hd, scores + j * Smax + t0);
     }
-    float norm[rep];
-    for (long j = 0; j < rep; j++) norm[j] = 1.f / exp_sum(scores + j * S, S, largest(scores + j * S, S));
-    memset(acc, 0, sizeof(float) * rep * hd);
-    for (long t0 = 0; t0 < S; t0 += KV_BLOCK) {
-        long n = S - t0 < KV_BLOCK ? S - t0 : KV_BLOCK;
+    float norm[nq];
+    for (long j = 0; j < nq; j++) norm[j] = 1.f / exp_sum(scores + j * Smax, S[j], largest(scores + j * Smax, S[j]));
+    memset(acc, 0, sizeof(float) * nq * hd);
+    for (long t0 = 0; t0 < Smax; t0 += KV_BLOCK) {
+        long n = Smax - t0 < KV_BLOCK ? Smax - t0 : KV_BLOCK;
         for (long t = 0; t < n; t++) decode_record(V + (t0 + t) * rec, bits, hd, NULL, tile + t * hd);
-        for (long j = 0; j < rep; j++) mix_add_f32(scores + j * S + t0, tile, n, hd, acc + j * hd);
+        for (long j = 0; j < nq; j++)
+            if (S[j] > t0) mix_add_f32(scores + j * Smax + t0, tile, S[j] - t0 < n ? S[j] - t0 : n, hd, acc + j * hd);
     }
-    for (long j = 0; j < rep; j++)
-        for (long i = 0; i < hd; i++) out[j * hd + i] = f32_to_bf16(acc[j * hd + i] * norm[j]);
+    for (long j = 0; j < nq; j++) {
+        uint16_t *o = out + (j / rep) * out_stride + (j % rep) * hd;
+        for (long i = 0; i < hd; i++) o[i] = f32_to_bf16(acc[j * hd + i] * norm[j]);
+    }
 }
 
 /* Records -> bf16 values, for attention outside this file (a prefill over a quantized cache): `rows`
@@ -150,18 +158,25 @@ void qlite_decode_attention(const uint16_t *qkv, long B, const float *cos, const
             kv_encode(vr, hd, bits, V);
         }
     }
-    #pragma omp for collapse(2) schedule(dynamic, 1)  /* rows attend over their own lengths: taken as threads come free */
-    for (long b = 0; b < B; b++)
+    /* rows attend over their own lengths, taken as threads come free; one sequence's new tokens (pos_step 1) in tiles
+     * of QUERY_TILE that read each block of their records once */
+    long tile = pos_step ? QUERY_TILE : 1, tiles = (B + tile - 1) / tile;
+    #pragma omp for collapse(2) schedule(dynamic, 1)
+    for (long t = 0; t < tiles; t++)
     for (long h = 0; h < n_kv; h++) {
-        long first = starts ? starts[b] : 0, S = pos + b * pos_step + 1 - first;
-        const uint16_t *q = qkv + b * width;
-        const float *cb = cos + b * hd, *sb = sin + b * hd;
-        const uint8_t *K = cache_k + b * row_stride + h * capacity * rec + first * rec;
-        const uint8_t *V = cache_v + b * row_stride + h * capacity * rec + first * rec;
-        float *buf = malloc(sizeof(float) * (rep * S + hd * (2 * rep + KV_BLOCK)));
-        float *qr = buf + rep * S + hd * (rep + KV_BLOCK);
-        for (long j = 0; j < rep; j++) rope(q + (h * rep + j) * hd, cb, sb, hd, scale, qr + j * hd);
-        attend_records(qr, rep, K, V, S, rec, bits, hd, buf, out + (b * n_head + h * rep) * hd);
+        long b0 = t * tile, nb = B - b0 < tile ? B - b0 : tile, nq = nb * rep;
+        long first = starts ? starts[b0] : 0;  /* one sequence's rows share theirs */
+        const uint8_t *K = cache_k + b0 * row_stride + h * capacity * rec + first * rec;
+        const uint8_t *V = cache_v + b0 * row_stride + h * capacity * rec + first * rec;
+        long S[nq];
+        for (long q = 0; q < nq; q++) S[q] = pos + (b0 + q / rep) * pos_step + 1 - first;
+        float *buf = malloc(sizeof(float) * (nq * (S[nq - 1] + 2 * hd) + hd * KV_BLOCK));
+        float *qr = buf + nq * (S[nq - 1] + hd) + hd * KV_BLOCK;
+        for (long i = 0; i < nb; i++)
+            for (long j = 0; j < rep; j++)
+                rope(qkv + (b0 + i) * width + (h * rep + j) * hd, cos + (b0 + i) * hd, sin + (b0 + i) * hd, hd, scale,
+                     qr + (i * rep + j) * hd);
+        attend_records(qr, nq, S, rep, K, V, rec, bits, hd, buf, out + (b0 * n_head + h * rep) * hd, n_head * hd);
         free(buf);
     }
     }
