@@ -177,15 +177,17 @@ class DraftModel(Drafter):
     def _propose(self, tokens: list[int], k: int) -> list[int]:
         model, context = self.model, self.model.config.context_length
         k = min(k, context - len(tokens))
-        if k <= 0 or (self.draft_vocab < self.target_vocab and max(tokens) >= self.draft_vocab):
+        if k <= 0:
             return []
-        if self.cache is None:
-            self.cache = model.new_cache(1, min(context, len(tokens) + k + INITIAL_NEW_TOKENS), limit=context)
         shared = 0
         for a, b in zip(self.fed, tokens[:-1]):  # the last token is fed again: its logits are needed
             if a != b:
                 break
             shared += 1
+        if self.draft_vocab < self.target_vocab and max(tokens[shared:]) >= self.draft_vocab:
+            return []  # only what the draft has not read yet is checked: the history it holds was
+        if self.cache is None:
+            self.cache = model.new_cache(1, min(context, len(tokens) + k + INITIAL_NEW_TOKENS), limit=context)
         self.cache.length = shared
         feed, drafts = tokens[shared:], []
         while True:
