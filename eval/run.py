@@ -19,7 +19,7 @@ from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import decoder_linear_bits_per_weight, format_name
 from qlite.kv_quant import KINDS as KV_KINDS
 from qlite.loader import check_kv_cache, load_model
-from qlite.model import Qwen2ForCausalLM
+from qlite.decoder.causal_lm import CausalLM
 from qlite.outputs import write_file_atomic
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
@@ -166,7 +166,7 @@ def how_run(kernel: str = "auto", decode: bool = False, blocks: bool = False) ->
     """How the evaluated models made their logits, for the tables' footnote."""
     return (f"models run with --kernel {kernel}, "
             + ("one token per step through the KV cache (--decode; the baseline in one pass per chunk)" if decode else
-               f"blocks of {Qwen2ForCausalLM.prefill_chunk} tokens through the KV cache (the baseline's too, in a "
+               f"blocks of {CausalLM.prefill_chunk} tokens through the KV cache (the baseline's too, in a "
                "float32 cache)" if blocks else "one pass per chunk (the baseline's too)"))
 
 

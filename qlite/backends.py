@@ -1,6 +1,6 @@
 """The backend seam: a backend, picked once at load by name (`--kernel`), says which kernel runs each
 quantized and each 16-bit linear layer, and which small ops (RMSNorm, SiLU * up, attention) the
-decoder calls. The model math itself (model.py) never asks which backend it runs on.
+decoder calls. The model math itself (decoder/) never asks which backend it runs on.
 
 | backend    | quantized linears                                       | 16-bit linears | small ops        |
 |------------|---------------------------------------------------------|----------------|------------------|
@@ -26,7 +26,9 @@ from .errors import QliteError
 from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference, VnniInt4,
                       VnniInt8)
 from .fused import FusedLayers
-from .model import Linear, Qwen2Model, Step, TorchOps
+from .decoder.causal_lm import Decoder
+from .decoder.linear import Linear
+from .decoder.ops import Step, TorchOps
 from .qlinear import QuantLinear
 
 
@@ -152,5 +154,5 @@ def use_backend(model: nn.Module, name: str = "auto", release=None) -> None:
         if hasattr(type(mod), "ops"):
             mod.ops = ops
     for mod in model.modules():  # once every layer has its kernel
-        if isinstance(mod, Qwen2Model):
+        if isinstance(mod, Decoder):
             mod.fused_layers = FusedLayers.build(mod) if ops is NativeOps else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Qwen2Config
+from .config import ModelConfig
 from .errors import QliteError
 from .files import inside, open_regular, read_json
 from .memory import drop_pages
@@ -61,10 +61,10 @@ class CheckpointDir:
         return read_json(self.path / "config.json", within=self.path)
 
     @functools.cached_property
-    def config(self) -> Qwen2Config:
+    def config(self) -> ModelConfig:
         """The config, checked against what the files hold before anything is sized from it."""
         source = self.path / "config.json"
-        cfg = Qwen2Config.from_dict(self.config_dict, source=str(source))
+        cfg = ModelConfig.from_dict(self.config_dict, source=str(source))
         layers = {int(m[1]) for m in map(LAYER_NAME.match, self.tensors) if m}
         if len(layers) != cfg.num_hidden_layers or layers and max(layers) != len(layers) - 1:  # 0..n-1
             raise QliteError(f"{source}: num_hidden_layers is {cfg.num_hidden_layers}, the tensors hold "

@@ -9,11 +9,12 @@ from pathlib import Path
 from .errors import QliteError
 from .fields import field_of, is_int
 from .files import read_json
+from .arch.moe import Experts
 from .qconfig import QuantConfig
 
 
 @dataclass(frozen=True)
-class Qwen2Config:
+class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,10 +34,29 @@ class Qwen2Config:
     output_bias: bool = False  # o_proj with bias
     explicit_head_dim: int | None = None  # config.json's head_dim (else hidden_size / heads)
     rope_scaling: tuple | None = None  # (key, value) items, checked by the architecture
+    experts: Experts | None = None  # a mixture of experts' sparse layers (None: every MLP dense)
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    def mlp_modules(self, layer: int) -> list[tuple[str, int]]:
+        """(checkpoint name prefix, intermediate width) of each SwiGLU of layer's MLP: the dense one, or
+        every expert's then the shared expert's."""
+        prefix, e = f"model.layers.{layer}.mlp.", self.experts
+        if e is None or not e.sparse(layer):
+            return [(prefix, self.intermediate_size)]
+        shared = [(f"{prefix}shared_expert.", e.shared_width)] if e.shared_width else []
+        return [(f"{prefix}experts.{i}.", e.width) for i in range(e.count)] + shared
+
+    @property
+    def token_mlp_width(self) -> int:
+        """The most intermediate values one token's MLP makes in any layer (a sparse layer's: its k
+        experts' and the shared expert's)."""
+        e = self.experts
+        sparse = 0 if e is None else e.per_token * e.width + e.shared_width
+        dense = any(e is None or not e.sparse(i) for i in range(self.num_hidden_layers))
+        return max(sparse, self.intermediate_size if dense else 0)
 
     @property
     def context_length(self) -> int:
@@ -55,7 +75,7 @@ class Qwen2Config:
         return architecture(self.model_type, "config")
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen2Config":
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         """Fields strictly typed (no coercion: "64", 64.7 or "false" are refused, naming the field);
         every field checked against the type's table (arch/config_fields.py): one qlite does not
         know, or a value it does not run (a sliding window, another activation), refused by name."""
@@ -93,6 +113,7 @@ class Qwen2Config:
             output_bias=arch.qkv_bias is None and arch.attention_bias(d, source),
             explicit_head_dim=field_of(d, "head_dim", int, source, None),
             rope_scaling=arch.rope_scaling(scaling, d, source) if scaling else None,
+            experts=arch.experts(d, source),
         )
         cfg.validate(source)
         if d.get("quantization_config") is not None:
@@ -116,12 +137,22 @@ class Qwen2Config:
             raise QliteError(f"{source}: rope_theta must be a positive number, got {self.rope_theta}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise QliteError(f"{source}: rms_norm_eps must be a small positive number, got {self.rms_norm_eps}")
+        if self.experts is not None:
+            e = self.experts
+            for name, value in (("num_experts", e.count), ("num_experts_per_tok", e.per_token),
+                                ("moe_intermediate_size", e.width), ("decoder_sparse_step", e.sparse_step)):
+                if value <= 0:
+                    raise QliteError(f"{source}: {name} must be positive, got {value}")
+            if e.per_token > e.count:
+                raise QliteError(f"{source}: num_experts_per_tok {e.per_token} is more than num_experts {e.count}")
+            if e.shared_width < 0:
+                raise QliteError(f"{source}: shared_expert_intermediate_size must not be negative, got {e.shared_width}")
         if self.head_dim % 2:
             raise QliteError(f"{source}: head_dim {self.head_dim} must be even for RoPE")
 
 
-def load_config(model_dir: str | Path) -> Qwen2Config:
+def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise QliteError(f"{model_dir}: not a directory")
-    return Qwen2Config.from_dict(read_json(path, within=model_dir), source=str(path))
+    return ModelConfig.from_dict(read_json(path, within=model_dir), source=str(path))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .errors import QliteError
 
 RUNTIME_BYTES = 320 * 2**20  # python + torch + qlite + a Qwen tokenizer: 304-327 MiB in generate runs (BENCHMARKS.md)
-PREFILL_CHUNK = 512  # Qwen2ForCausalLM.prefill_chunk (tests check they agree)
+PREFILL_CHUNK = 512  # CausalLM.prefill_chunk (tests check they agree)
 
 
 @dataclass(frozen=True)
@@ -86,24 +86,24 @@ def activation_bytes(cfg, tokens: int, batch: int, dtype_bytes: int) -> int:
     T = min(tokens, PREFILL_CHUNK) * batch
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     per_token = dtype_bytes * (4 * cfg.hidden_size + qkv + cfg.num_attention_heads * cfg.head_dim
-                               + 3 * cfg.intermediate_size) + 4 * 2 * cfg.hidden_size
+                               + 3 * cfg.token_mlp_width) + 4 * 2 * cfg.hidden_size
     rotary = 4 * 4 * batch * tokens * cfg.head_dim
     return T * per_token + rotary + batch * cfg.vocab_size * (dtype_bytes + 4)
 
 
 def scratch_bytes(cfg) -> int:
-    """The largest quantized MLP linear a prefill dequantizes to bf16 (gate|up: 2 x intermediate x hidden;
-    down: half that). 0 for a 16-bit checkpoint."""
+    """The largest quantized MLP linear a prefill dequantizes to bf16 (gate|up: 2 x width x hidden; down:
+    half that; a dense MLP's or an expert's). 0 for a 16-bit checkpoint."""
     from .kernels import dequantized_for_prefill
     if cfg.quantization is None:
         return 0
     most = 0
     for i in range(cfg.num_hidden_layers):
-        for name, rows, width in (("gate_proj", 2 * cfg.intermediate_size, cfg.hidden_size),
-                                  ("down_proj", cfg.hidden_size, cfg.intermediate_size)):
-            fmt = cfg.quantization.format_for(f"model.layers.{i}.mlp.{name}")
-            if fmt is not None and dequantized_for_prefill(fmt, width):
-                most = max(most, 2 * rows * width)
+        for prefix, width in cfg.mlp_modules(i):
+            for name, rows, k in (("gate_proj", 2 * width, cfg.hidden_size), ("down_proj", cfg.hidden_size, width)):
+                fmt = cfg.quantization.format_for(prefix + name)
+                if fmt is not None and dequantized_for_prefill(fmt, k):
+                    most = max(most, 2 * rows * k)
     return most
 
 

@@ -12,7 +12,10 @@ import ctypes
 import torch
 
 from . import native
-from .model import Qwen2Model, SplitLinear, Step
+from .decoder.causal_lm import Decoder
+from .decoder.mlp import MLP
+from .decoder.linear import SplitLinear
+from .decoder.ops import Step
 
 _I, _L, _P = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
 
@@ -45,7 +48,7 @@ def products(linear) -> list[native.Product] | None:
 class FusedLayers:
     """Every layer of a decode step in one call: the table of their products and norms, built once at load."""
 
-    def __init__(self, model: Qwen2Model, table: ctypes.Array):
+    def __init__(self, model: Decoder, table: ctypes.Array):
         cfg = model.layers[0].self_attn
         self.table, self.n_layers = table, len(table)
         self.hidden, self.eps = model.norm.weight.shape[0], model.norm.eps
@@ -54,7 +57,7 @@ class FusedLayers:
         self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in model.layers]
 
     @classmethod
-    def build(cls, model: Qwen2Model) -> FusedLayers | None:
+    def build(cls, model: Decoder) -> FusedLayers | None:
         """The fused step for a model whose kernels are set (backends.use_backend), or None where some
         part of a layer does not run natively (the module path then runs every step)."""
         if native.library() is None or not hasattr(native.library(), "qlite_decode_layers"):
@@ -65,8 +68,8 @@ class FusedLayers:
             return None
         rows = []
         for layer in model.layers:
-            if hasattr(layer.self_attn, "q_norm"):  # per-head q/k norms: not in the native step
-                return None
+            if hasattr(layer.self_attn, "q_norm") or not isinstance(layer.mlp, MLP):  # per-head q/k norms, experts:
+                return None  # not in the native step
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             qkv, o = products(layer.self_attn.qkv_proj), products(layer.self_attn.o_proj)
             gate_up, down = products(layer.mlp.gate_up_proj), products(layer.mlp.down_proj)

@@ -16,7 +16,7 @@ import torch
 from .arch import ARCHITECTURES
 from .checkpoint import FLOAT_DTYPES
 from .outputs import check_output
-from .config import Qwen2Config
+from .config import ModelConfig
 from .errors import QliteError
 from .files import open_regular
 from .safetensors_io import TensorSpec, write_checkpoint_dir
@@ -94,6 +94,9 @@ def read_config(reader) -> dict:
             cfg["head_dim"] = int(head_dim)
         if arch.qkv_bias is None:
             cfg["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        cfg.update(arch.gguf_config(lambda key: _field(reader, f"{p}.{key}")))
+        if "qkv_bias" in arch.config_fields:  # Qwen2-MoE: q/k/v bias as the tensors say
+            cfg["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
         kind = _field(reader, f"{p}.rope.scaling.type")
         if kind not in (None, "none"):  # llama.cpp's rope scaling keys, as its converter writes them
             cfg["rope_scaling"] = {"rope_type": kind, "factor": float(_field(reader, f"{p}.rope.scaling.factor"))}
@@ -163,6 +166,17 @@ def _dequantized(t) -> np.ndarray:
     return np.require(dequantize(t.data, t.tensor_type).reshape(shape), requirements="W")  # F32 comes back read-only
 
 
+def unstacked(name: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """A tensor's (name, shape) in the checkpoint: a 3-D stack of experts (model.layers.3.mlp.experts.up_proj.weight,
+    (experts, rows, columns)) as each expert's own, any other as it is."""
+    if len(shape) != 3:
+        return [(name, shape)]
+    stack, _, proj = name.removesuffix(".weight").rpartition(".")
+    if not stack.endswith(".mlp.experts"):
+        raise QliteError(f"tensor {name!r} is 3-D {shape}: only a layer's experts are stacked")
+    return [(f"{stack}.{e}.{proj}.weight", shape[1:]) for e in range(shape[0])]
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", force: bool = False,
                 progress: bool = True, out_flag: str = "--out") -> Path:
     """Write a checkpoint dir for a GGUF file of a model type qlite runs. Tensors are stored in `dtype` (float16 default).
@@ -184,14 +198,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
     try:
         config, tokenizer, tok_config, gen_config = read_metadata(reader)
         arch = gguf_architecture(reader)
-        specs = [TensorSpec(hf_name(t.name, arch), torch_dtype, tuple(int(d) for d in reversed(t.shape)))
-                 for t in reader.tensors]
+        specs = [TensorSpec(name, torch_dtype, shape) for t in reader.tensors
+                 for name, shape in unstacked(hf_name(t.name, arch), tuple(int(d) for d in reversed(t.shape)))]
     except QliteError as e:
         raise QliteError(f"{gguf_path}: {e}") from None
     except (UnicodeDecodeError, KeyError, IndexError, TypeError, ValueError, OverflowError) as e:
         raise QliteError(f"{gguf_path}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
     config["torch_dtype"] = dtype
-    cfg = Qwen2Config.from_dict(config, source=f"{gguf_path}: its metadata as config.json")  # never write what qlite refuses
+    cfg = ModelConfig.from_dict(config, source=f"{gguf_path}: its metadata as config.json")  # never write what qlite refuses
     embed = next((s.shape for s in specs if s.name == "model.embed_tokens.weight"), None)
     if embed is not None and embed != (cfg.vocab_size, cfg.hidden_size):
         raise QliteError(f"{gguf_path}: tokenizer.ggml.tokens lists {cfg.vocab_size} tokens and embedding_length is "
@@ -202,6 +216,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float1
         for t in tqdm(reader.tensors, desc="import", unit="tensor", disable=not progress, leave=False):
             name = hf_name(t.name, arch)
             tensor = torch.from_numpy(_dequantized(t)).to(torch_dtype)
+            if tensor.ndim == 3:  # a layer's experts, one after another
+                yield from ((part, tensor[e]) for e, (part, _) in enumerate(unstacked(name, tensor.shape)))
+                continue
             order = arch.gguf_rows(name, tensor.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads)
             yield name, tensor if order is None else tensor[torch.argsort(order)]
 

@@ -22,8 +22,9 @@ def decoder_linear_part(name: str) -> bool:
 def decoder_linear_bits_per_weight(ckpt: CheckpointDir) -> float:
     """Stored bits (codes, scales, zero points; not biases) per weight of the decoder's linears."""
     cfg = ckpt.config
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    weights = cfg.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    weights = sum(2 * h * q + 2 * h * kv + sum(3 * h * width for _, width in cfg.mlp_modules(layer))
+                  for layer in range(cfg.num_hidden_layers))
     stored = sum(t.nbytes for name, t in ckpt.tensors.items() if decoder_linear_part(name))
     return 8 * stored / weights
 
@@ -37,6 +38,17 @@ def rope_scaling(cfg) -> str:
     return f" ({s['rope_type']} x{s['factor']:g}{f' from {original}' if original else ''})"
 
 
+def experts(cfg) -> str:
+    """ , experts 128 x 768 (8 per token, ...), or nothing for a dense model."""
+    e = cfg.experts
+    if e is None:
+        return ""
+    sparse = sum(e.sparse(i) for i in range(cfg.num_hidden_layers))
+    shared = f", shared expert {e.shared_width}" if e.shared_width else ""
+    return (f", experts {e.count} x {e.width} ({e.per_token} per token{shared}) in {sparse} of "
+            f"{cfg.num_hidden_layers} layers")
+
+
 def logical_parameters(cfg) -> int:
     """Parameters of the 16-bit model the config describes (whatever the storage format; a tied table
     once): the decoder's own, built on the meta device."""
@@ -44,10 +56,10 @@ def logical_parameters(cfg) -> int:
 
     import torch
 
-    from .model import Qwen2ForCausalLM
+    from .decoder.causal_lm import CausalLM
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(dataclasses.replace(cfg, quantization=None))
+        model = CausalLM(dataclasses.replace(cfg, quantization=None))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,7 +81,7 @@ def describe(model_dir: str | Path) -> str:
         f"checkpoint     {ckpt.path}",
         f"architecture   {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"mlp {cfg.intermediate_size}, heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}), "
-        f"head_dim {cfg.head_dim}",
+        f"head_dim {cfg.head_dim}{experts(cfg)}",
         f"vocab          {cfg.vocab_size}, context {cfg.context_length}{rope_scaling(cfg)}, rope_theta {cfg.rope_theta:g}, "
         f"tied embeddings {'yes' if cfg.tie_word_embeddings else 'no'}",
         f"parameters     {params:,} ({params / 1e9:.3f} B)",

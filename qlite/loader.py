@@ -13,7 +13,9 @@ from .checkpoint import DTYPE_NAMES, FLOAT_DTYPES, FLOAT_STORAGE, CheckpointDir
 from .errors import QliteError
 from .formats import stored_problem
 from .memory import large_allocations_from_mmap, release_freed_memory
-from .model import SHARED_BY_PARTS, DecoderLayer, Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
+from .decoder.causal_lm import CausalLM
+from .decoder.layers import DecoderLayer
+from .decoder.names import SHARED_BY_PARTS, checkpoint_layout, checkpoint_shapes
 from .system import cpu_has_bf16
 
 
@@ -59,7 +61,7 @@ def check_dtypes(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]]
 
 
 def read_state(ckpt: CheckpointDir, layout: dict[str, list[tuple[str, tuple]]], convert) -> dict[str, torch.Tensor]:
-    """The model's state dict from the checkpoint: `layout` (model.checkpoint_layout) says which
+    """The model's state dict from the checkpoint: `layout` (decoder.names.checkpoint_layout) says which
     checkpoint tensors make each model tensor, row blocks in order (names, shapes and dtypes checked
     already). A tensor the run takes as stored (`convert(model key, tensor)` returns it unchanged),
     its parts back to back in the file, is a view of the file's mapping: nothing copied. Any other
@@ -128,7 +130,7 @@ def check_kv_cache(kv_cache: str, cfg, model_dir: Path) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               kernel: str = "auto", kv_cache: str = "bf16") -> Qwen2ForCausalLM:
+               kernel: str = "auto", kv_cache: str = "bf16") -> CausalLM:
     """Load a (possibly quantized) checkpoint dir. Floating parameters are cast to `dtype`; quantized
     buffers keep their stored dtype. `kernel` names the backend (backends.py); `kv_cache` what the
     caches it makes hold (kv_quant.KINDS)."""
@@ -156,13 +158,13 @@ def check_loads(model_dir: Path, out: Path) -> None:
         raise QliteError(f"{out}: not written, the runtime would refuse it: {str(e).replace(str(model_dir), str(out))}") from None
 
 
-def checked_model(ckpt: CheckpointDir, float_dtype: torch.dtype | None, dev: torch.device) -> Qwen2ForCausalLM:
+def checked_model(ckpt: CheckpointDir, float_dtype: torch.dtype | None, dev: torch.device) -> CausalLM:
     """The checkpoint's model with every tensor in place (mapped where the run takes it as stored;
     float_dtype None: floats as stored too), names, shapes, dtypes and stored values checked, a tied
     head sharing the loaded table; no backend picked yet."""
     try:
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(ckpt.config)
+            model = CausalLM(ckpt.config)
     except QliteError as e:  # a format that cannot hold a layer (a group size that does not divide, ...)
         raise QliteError(f"{ckpt.path / 'config.json'}: quantization_config: {e}") from None
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}

@@ -40,7 +40,8 @@ METHODS = ("rtn", "act-rtn", "gptq", "bnb")
 # act-rtn / GPTQ: the share of H's mean diagonal added to its diagonal (docs/quantize.md, --method gptq, for how it was chosen)
 DAMP = 0.3
 EMBEDDINGS = "model.embed_tokens"
-DECODER_MODULE = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)")  # a decoder layer's module; its kind
+# a decoder layer's module (a dense MLP's, an expert's, the shared expert's); its kind
+DECODER_MODULE = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert)\.(\w+)")
 _KNOWN_KEYS = {"quant_method", "format_version", "method", "scheme", "bits", "group_size", "symmetric", "modules",
                "lm_head_bits", "lm_head_format", "embed_format", "skip", "input_order", "module_formats"}
 

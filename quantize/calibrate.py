@@ -20,7 +20,9 @@ import torch
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.memory import PeakAnonSampler, available_bytes
-from qlite.model import Linear, linear_parts
+from qlite.decoder.linear import Linear
+from qlite.decoder.mlp import SparseMLP
+from qlite.decoder.names import linear_parts
 from qlite.qconfig import DAMP, QuantConfig
 from qlite.texts import calibration_texts, load_text
 from qlite.tokenizer import Tokenizer
@@ -31,6 +33,8 @@ from quantize.gptq import Hessian, gptq_linear, hessian_of
 from quantize.source_pass import Windows, embedded, final_norm, head_weight, source_pass
 
 BATCH = 4  # calibration windows per forward
+FEW_TOKENS = 64  # an expert routed fewer calibration tokens is calibrated on all (few_tokens_experts)
+FEW_TOKENS_BATCH = 4096  # tokens per product when it is
 
 
 def windows(ids: list[int], count: int, seqlen: int) -> list[list[int]]:
@@ -101,8 +105,13 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
         hessians = {n: Hessian(m.in_features) for n, m in linears.items()}
         hooks = [m.register_forward_hook(lambda m, inp, _, n=n: hessians[n].add(inp[0]))
                  for n, m in linears.items()]
+        sparse = {n: (m, []) for n, m in layer.named_modules() if isinstance(m, SparseMLP)}  # and their inputs
+        hooks += [m.register_forward_pre_hook(lambda m, inp, seen=seen: seen.append(inp[0].reshape(-1, inp[0].shape[-1])))
+                  for m, seen in sparse.values()]
         for b in range(0, nsamples, BATCH):
             layer(calib_windows.x[b:b + BATCH], calib_windows.step)
+        for n, (mlp, seen) in sparse.items():
+            few_tokens_experts(n, mlp, torch.cat(seen), hessians)
         for h in hooks:
             h.remove()
         for n, m in linears.items():
@@ -118,6 +127,20 @@ def calibrated_weights(src: CheckpointDir, qconfig: QuantConfig, method: str, ca
     del x
     quantize_linear("lm_head", head, hessian, update=False)
     return out
+
+
+def few_tokens_experts(name: str, mlp: SparseMLP, x: torch.Tensor, hessians: dict) -> None:
+    """The rule for experts the router sent few calibration tokens: one routed fewer than FEW_TOKENS (of the
+    sparse MLP `name`'s inputs x (tokens, hidden)) is calibrated as though all of them had been routed to
+    it (its gate/up on x, its down_proj on its own intermediate of x): a Hessian of a handful of tokens,
+    or none, says little about the inputs the expert will see. The linears' hooks add what runs here."""
+    for e, expert in enumerate(mlp.experts):
+        prefix = f"{name}.experts.{e}."
+        if hessians[prefix + "gate_up_proj"].tokens < FEW_TOKENS:
+            for part in ("gate_up_proj", "down_proj"):
+                hessians[prefix + part] = Hessian(hessians[prefix + part].h.shape[0])
+            for b in range(0, x.shape[0], FEW_TOKENS_BATCH):
+                expert(x[b:b + FEW_TOKENS_BATCH])
 
 
 def calibration_params(calib: str, nsamples: int, seqlen: int, act_order: bool, damp: float) -> dict:

@@ -24,7 +24,8 @@ from qlite.formats import Format
 from qlite.info import REPORT_NAME
 from qlite.loader import check_loads
 from qlite.memory import PeakAnonSampler, large_allocations_from_mmap, peak_rss_bytes
-from qlite.model import Qwen2ForCausalLM, checkpoint_layout, checkpoint_shapes
+from qlite.decoder.causal_lm import CausalLM
+from qlite.decoder.names import checkpoint_layout, checkpoint_shapes
 from qlite.outputs import check_output
 from qlite.qconfig import EMBEDDINGS, QuantConfig
 from qlite.safetensors_io import TensorSpec, made_in_order, write_checkpoint_dir
@@ -125,7 +126,7 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
     """The checkpoint names and shapes, in the loader's order, that a checkpoint of this config holds
     (16-bit when cfg has no quantization)."""
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
+        model = CausalLM(cfg)
     return checkpoint_shapes(checkpoint_layout(model))
 
 

@@ -231,19 +231,22 @@ def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.half().contiguous().view(torch.uint8).reshape(*x.shape, 2)
 
 
-def to_gguf_blocks(fmt: Format, stored: dict[str, torch.Tensor], in_features: int, where: str
+def to_gguf_blocks(fmt: Format, stored: dict[str, torch.Tensor], in_features: int, where: str, kind: str | None = None
                    ) -> tuple[str, torch.Tensor]:
-    """(GGUF type name, uint8 [N, K/32 * block bytes]) for a qlite int4/int8 layer."""
+    """(GGUF type name, uint8 [N, K/32 * block bytes]) for a qlite int4/int8 layer; kind "Q8_0" for an int4
+    one: its codes less their zero points (-15..15) as Q8_0's int8 under the same scale, exactly."""
     group = fmt.group_size or in_features
     if in_features % GGUF_BLOCK or (fmt.group_size is not None and group % GGUF_BLOCK):
         raise QliteError(f"{where}: group size {group} at input width {in_features} is not whole 32-weight GGUF "
                          f"blocks; quantize with --group-size 32, 64 or 128 to export GGUF")
     u, scales, zu = fmt.to_affine(stored, in_features)
     N, nb = u.shape[0], in_features // GGUF_BLOCK
-    kind = gguf_type(fmt.bits, zu, where)
+    natural = gguf_type(fmt.bits, zu, where)
+    kind = kind or natural
     d = scales.repeat_interleave(group // GGUF_BLOCK if fmt.group_size else nb, dim=1)  # (N, nb)
     if kind == "Q8_0":
-        qs = (u.reshape(N, nb, GGUF_BLOCK).to(torch.int16) - 128).to(torch.int8).view(torch.uint8)  # signed again
+        z = zu.repeat_interleave(group // GGUF_BLOCK if fmt.group_size else nb, dim=1)  # (N, nb): 128 for int8
+        qs = (u.reshape(N, nb, GGUF_BLOCK).to(torch.int16) - z[..., None]).to(torch.int8).view(torch.uint8)  # signed
         fields = [_fp16_bytes(d), qs]
     else:
         ub = u.reshape(N, nb, GGUF_BLOCK)  # (N, nb, 32)

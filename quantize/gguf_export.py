@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qlite.arch import moe
 from qlite.checkpoint import CheckpointDir
 from qlite.errors import QliteError
 from qlite.gguf import gguf_name
@@ -55,6 +56,52 @@ def in_gguf_order(name: str, rows: torch.Tensor, cfg) -> torch.Tensor:
     return rows if order is None else rows[order]
 
 
+def quantized_kind(src: CheckpointDir, module: str, fmt) -> tuple[str, int, int]:
+    """A quantized linear's GGUF block type, rows and input width."""
+    if not fmt.exports:
+        raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
+    k = foreign.stored_in_features(src, module, fmt)
+    return foreign.gguf_type(fmt.bits, foreign.affine_zeros(src, module, fmt), module), src.tensors[f"{module}.qweight"].shape[0], k
+
+
+def expert_stack(src: CheckpointDir, stack: str, modules: list[str], kinds: set, notes: list) -> tuple:
+    """The plan entry of a layer's experts (their modules in order) as llama.cpp's one 3-D tensor (expert, rows,
+    columns): 16-bit as stored, quantized as blocks of one type (a layer whose experts' types differ is
+    written as Q8_0, which holds each int4 or int8 block exactly)."""
+    from gguf import GGMLQuantizationType
+
+    cfg, qcfg, name = src.config, src.config.quantization, gguf_name(f"{stack}.weight", src.config.arch)
+    fmts = [qcfg.format_for(m) if qcfg is not None else None for m in modules]
+    if all(f is None for f in fmts):
+        infos = [src.tensors[f"{m}.weight"] for m in modules]
+        if len({(i.dtype, tuple(i.shape)) for i in infos}) > 1:
+            raise QliteError(f"{src.path}: {stack}: experts stored in different dtypes or shapes")
+        raw = GGMLQuantizationType.BF16 if infos[0].dtype == "BF16" else None
+        n, k = infos[0].shape
+        dtype = {"F16": np.float16, "F32": np.float32, "BF16": np.uint8}[infos[0].dtype]
+        shape = (len(modules), n, 2 * k if raw else k)
+        return (name, (shape, dtype, len(modules) * infos[0].nbytes, raw),
+                lambda: np.stack([dense_array(src.read(f"{m}.weight")) for m in modules]))
+    if any(f is None for f in fmts):
+        raise QliteError(f"{src.path}: {stack}: some experts 16-bit and some quantized; GGUF holds a layer's experts "
+                         f"as one tensor of one type")
+    found = [quantized_kind(src, m, f) for m, f in zip(modules, fmts)]
+    kind = found[0][0] if len({f[0] for f in found}) == 1 else "Q8_0"
+    if kind != found[0][0] or any(f[0] != kind for f in found):
+        notes.append(f"{stack}: experts in {', '.join(sorted({f[0] for f in found}))} written as Q8_0 (exact)")
+    if len({f[1:] for f in found}) > 1:
+        raise QliteError(f"{src.path}: {stack}: experts of different shapes")
+    kinds.add(kind)
+    n, k = found[0][1:]
+    row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]
+
+    def blocks():
+        return np.stack([foreign.to_gguf_blocks(f, foreign.read_module(src, m, f, None)[0], k, m, kind)[1].numpy()
+                         for m, f in zip(modules, fmts)])
+    return (name, ((len(modules), n, row_bytes), np.uint8, len(modules) * n * row_bytes,
+                   getattr(GGMLQuantizationType, kind)), blocks)
+
+
 def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> list[str]:
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, SpecialVocab
 
@@ -65,18 +112,18 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
                          f"export --to gptq")
     quantized = {n.removesuffix(".qweight") for n in src.tensors if n.endswith(".qweight")}
     plan = []  # (GGUF name, (shape, numpy dtype, bytes, GGML type or None), producer of the array)
-    kinds = set()
+    kinds, notes = set(), []
+    stacks = {}  # a mixture of experts' stack (merged module) -> its experts' modules in order
     for name, info in src.tensors.items():
         module, _, suffix = name.rpartition(".")
         if module in quantized and suffix not in ("qweight", "bias"):
             continue
+        if (merged := moe.merged_name(module)) is not None:
+            stacks.setdefault(merged[0], []).append(module)
+            continue
         if module in quantized and suffix == "qweight":
             fmt = qcfg.format_for(module)
-            if not fmt.exports:
-                raise QliteError(f"{src.path}: {module} is {fmt.name}; GGUF export takes qlite's int4 and int8")
-            n = info.shape[0]
-            k = foreign.stored_in_features(src, module, fmt)
-            kind = foreign.gguf_type(fmt.bits, foreign.affine_zeros(src, module, fmt), module)
+            kind, n, k = quantized_kind(src, module, fmt)
             if module != "lm_head":
                 kinds.add(kind)  # the file type names the decoder's
             row_bytes = k // foreign.GGUF_BLOCK * foreign.GGUF_BLOCK_BYTES[kind]
@@ -95,10 +142,13 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             dtype = {"F16": np.float16, "F32": np.float32, "BF16": np.uint8}[info.dtype]
             plan.append((gguf_name(name, cfg.arch), (shape, dtype, info.nbytes, raw),
                          lambda n=name: dense_array(in_gguf_order(n, src.read(n), cfg))))
+    for stack, modules in stacks.items():
+        plan.append(expert_stack(src, stack, sorted(modules, key=lambda m: moe.merged_name(m)[1]), kinds, notes))
     main_kind = "Q4_1" if "Q4_1" in kinds else next(iter(kinds), None)
-    notes = ["asymmetric int4 written as Q4_1: each block's minimum (-zero * scale) is rounded to float16"
-             ] if "Q4_1" in kinds else []
+    if "Q4_1" in kinds:
+        notes.append("asymmetric int4 written as Q4_1: each block's minimum (-zero * scale) is rounded to float16")
     tokens, types = tokenizer_metadata(src, cfg.vocab_size)
+    experts_metadata = cfg.arch.gguf_metadata(cfg, str(src.path))
 
     with atomic_output_file(out) as tmp:
         writer = GGUFWriter(tmp, cfg.arch.gguf_arch)
@@ -123,6 +173,8 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
             raise QliteError(f"{src.path}: rope scaling {scaling['rope_type']}: llama.cpp's GGUF has no key for it "
                              f"(not exported)")
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        for key, value in experts_metadata.items():
+            writer.add_uint32(f"{cfg.arch.gguf_arch}.{key}", value)
         writer.add_file_type(FILE_TYPES[main_kind])
         writer.add_quantization_version(2)
         writer.add_tokenizer_model("gpt2")

@@ -29,9 +29,11 @@ class Hessian:
 
     def __init__(self, in_features: int):
         self.h = torch.zeros(in_features, in_features)
+        self.tokens = 0  # inputs added so far
 
     def add(self, x: torch.Tensor) -> None:
         x2 = x.reshape(-1, x.shape[-1]).float()  # (tokens, K)
+        self.tokens += x2.shape[0]
         for b0 in range(0, x2.shape[1], self.BLOCK_COLUMNS):
             b1 = b0 + self.BLOCK_COLUMNS
             self.h[b0:b1, b0:].addmm_(x2[:, b0:b1].t(), x2[:, b0:])  # (B, K - b0)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from qlite.checkpoint import DTYPE_NAMES, FLOAT_STORAGE, CheckpointDir
-from qlite.config import Qwen2Config
+from qlite.config import ModelConfig
 from qlite.fields import field_of
 from qlite.files import read_checkpoint_json
 from qlite.errors import QliteError
@@ -88,7 +88,7 @@ def write_dir(src: CheckpointDir, out: Path, output: Output, config: dict, force
 
 # --- export ----------------------------------------------------------------------------------------
 
-def quantized_source(src: CheckpointDir) -> tuple[Qwen2Config, QuantConfig, dict[str, tuple[int, int]]]:
+def quantized_source(src: CheckpointDir) -> tuple[ModelConfig, QuantConfig, dict[str, tuple[int, int]]]:
     cfg = src.config
     if cfg.quantization is None:
         raise QliteError(f"{src.path}: a 16-bit checkpoint; quantize it first (qlite quantize), or export --to gguf")
@@ -185,7 +185,8 @@ def export_compressed_tensors(src, out, cfg, qcfg, layers, force, progress) -> l
     for m in layers:
         if m != "lm_head":
             by_format.setdefault(qcfg.format_for(m), []).append(m)
-    targets = ({qcfg.linear: [rf"re:model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(decoder)})$"]}
+    blocks = r"(self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert)"  # a layer's, an expert's, the shared expert's
+    targets = ({qcfg.linear: [rf"re:model\.layers\.\d+\.{blocks}\.({'|'.join(decoder)})$"]}
                if not qcfg.module_formats else by_format)
     for fmt, names in targets.items():
         groups[f"group_{len(groups)}"] = {"targets": names, "weights": ct_weights_args(fmt), "input_activations": None,
@@ -254,7 +255,7 @@ def _block_name(linear_kind: str) -> str:
     return f"{'mlp' if linear_kind in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{linear_kind}"
 
 
-def _unquantized(cfg: Qwen2Config) -> Qwen2Config:
+def _unquantized(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, quantization=None)
 
 
@@ -443,7 +444,7 @@ def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, pro
     q, where = foreign_quantization(src_dir)
     source = SOURCES[q["quant_method"]](src_dir, q, where)
     base = {k: v for k, v in src_dir.config_dict.items() if k != "quantization_config"}
-    cfg = Qwen2Config.from_dict(base, source=str(src_dir.path / "config.json"))
+    cfg = ModelConfig.from_dict(base, source=str(src_dir.path / "config.json"))
     shapes16 = expected_tensors(cfg)
     modules = linear_modules(shapes16)
     names = list(shapes16)
@@ -478,7 +479,7 @@ def import_checkpoint(src: str | Path, out: str | Path, force: bool = False, pro
     config = {**base, "quantization_config": qcfg.to_dict()}
     if "lm_head" in formats:
         config["tie_word_embeddings"] = False
-    order = loading_order(output.specs(), Qwen2Config.from_dict(config, source=str(src_dir.path / "config.json")))
+    order = loading_order(output.specs(), ModelConfig.from_dict(config, source=str(src_dir.path / "config.json")))
     write_dir(src_dir, out, output, config, force, progress, "import", skip_files=("quantize_config.json",), specs=order,
               finish=lambda tmp: check_loads(tmp, out))
     return qcfg

@@ -2,7 +2,8 @@
 `qlite quantize --target-bpw` ranks tensors by (quantize/budget.py).
 
 A unit is what takes one format: a decoder layer's fused q/k/v, o_proj, fused gate/up and down_proj
-(qlite runs each as one matmul), the embeddings and lm_head.
+(qlite runs each as one matmul; a mixture of experts has gate/up and down_proj per expert, each seeing
+only the tokens routed to it), the embeddings and lm_head.
 
 The estimate, second order in the weights' error. Quantizing a unit changes its outputs by
 delta = X (W - Q(W))^T (X: its inputs on calibration windows, from the float source). To first order
@@ -20,6 +21,7 @@ then per sample backward from the top, each layer read again and recomputed from
 lm_head is read in blocks of vocabulary rows."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +30,11 @@ import torch.nn.functional as F
 from qlite.checkpoint import CheckpointDir
 from qlite.formats import Format, chunk_rows
 from qlite.loader import float_layer
-from qlite.model import Linear, checkpoint_module
-from qlite.qconfig import EMBEDDINGS
+from qlite.decoder.linear import Linear
+from qlite.decoder.layers import DecoderLayer
+from qlite.decoder.mlp import SparseMLP
+from qlite.decoder.names import checkpoint_module, linear_parts
+from qlite.qconfig import DECODER_MODULE, EMBEDDINGS, LINEAR_KINDS
 from qlite.tokenizer import Tokenizer
 from quantize.source_pass import Windows, embedded, final_norm, float_config, head_weight, source_pass
 
@@ -44,12 +49,18 @@ class Unit:
 
 
 def units(cfg) -> list[Unit]:
-    """Every unit of a Qwen2 config, decoder layers in order, then the embeddings and lm_head."""
+    """Every unit of a config, decoder layers in order (each layer's linears as the decoder builds them
+    from a 16-bit checkpoint: fused q/k/v and gate/up, every expert's), then the embeddings and lm_head.
+    A mixture of experts' router and shared-expert gate are no unit: they stay 16-bit."""
+    cfg = dataclasses.replace(cfg, quantization=None)
     found = []
     for i in range(cfg.num_hidden_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        found += [Unit(a + "qkv_proj", (a + "q_proj", a + "k_proj", a + "v_proj")), Unit(a + "o_proj", (a + "o_proj",)),
-                  Unit(m + "gate_up_proj", (m + "gate_proj", m + "up_proj")), Unit(m + "down_proj", (m + "down_proj",))]
+        with torch.device("meta"):
+            layer = DecoderLayer(cfg, i)  # shapes only
+        for name, module in layer.named_modules():
+            parts = tuple(f"model.layers.{i}.{part}" for part, _ in linear_parts(name, module)) if isinstance(module, Linear) else ()
+            if parts and all(DECODER_MODULE.fullmatch(p)[1] in LINEAR_KINDS for p in parts):
+                found.append(Unit(f"model.layers.{i}.{name}", parts))
     return found + [Unit(EMBEDDINGS, (EMBEDDINGS,)), Unit("lm_head", ("lm_head",))]
 
 
@@ -102,6 +113,11 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
         layer = float_layer(src, cfg, i).requires_grad_(False)
         x = inputs.pop()
         deltas, scores, hooks = {}, {}, []
+        windows_of = {}  # an expert's units: the window of each token routed to it (its outputs are (tokens, out))
+        for name, mlp in layer.named_modules():
+            if isinstance(mlp, SparseMLP):
+                hooks.append(mlp.register_forward_pre_hook(
+                    lambda mlp, args, prefix=f"model.layers.{i}.{name}.": keep_routes(mlp, args[0], prefix, windows_of, seqlen)))
         for name, linear in layer.named_modules():
             unit = f"model.layers.{i}.{checkpoint_module(name)}" if isinstance(linear, Linear) else None
             if unit not in candidates:
@@ -117,9 +133,11 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
 
             hooks.append(linear.register_forward_hook(keep_deltas))
 
-        def add_scores(unit, g):  # g: (windows, seqlen, out) for the current sample
+        def add_scores(unit, g):  # g: (windows, seqlen, out) for the current sample; an expert's (tokens, out)
             for j, d in enumerate(deltas[unit]):
-                scores[unit][j, s] = (g * d).sum((1, 2))
+                per = (g * d).sum(-1)
+                scores[unit][j, s] = (per.sum(1) if per.dim() == 2 else
+                                      torch.zeros(windows).index_add_(0, windows_of[unit], per))
 
         for s in range(samples):
             x_in = x.detach().requires_grad_()
@@ -138,6 +156,17 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
             delta = F.embedding(where, -quantization_error(table[rows], fmt))  # (windows, seqlen, hidden)
             out[EMBEDDINGS].append(cost((g0 * delta).sum((2, 3))))
     return out
+
+
+@torch.no_grad()
+def keep_routes(mlp: SparseMLP, x: torch.Tensor, prefix: str, windows_of: dict, seqlen: int) -> None:
+    """For a sparse MLP's input x (windows, seqlen, hidden): each expert's units -> the windows of its tokens."""
+    flat = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
+    chosen, _ = mlp.route(flat)
+    routed = [(f"experts.{expert}", tokens) for expert, tokens, _ in mlp.groups(chosen)]
+    for module, tokens in routed + [("shared_expert", torch.arange(flat.shape[0]))]:
+        for unit in ("gate_up_proj", "down_proj"):
+            windows_of[f"{prefix}{module}.{unit}"] = tokens // seqlen
 
 
 @torch.no_grad()

@@ -22,7 +22,8 @@ import torch
 
 from qlite.checkpoint import CheckpointDir
 from qlite.loader import float_layer
-from qlite.model import DecoderLayer, RMSNorm, Rotary, Step
+from qlite.decoder.layers import DecoderLayer, RMSNorm, Rotary
+from qlite.decoder.ops import Step
 from qlite.qconfig import EMBEDDINGS
 
 

@@ -18,6 +18,14 @@ CONFIGS = {
 }
 # widths the native kernels take (head_dim 64, every input width a multiple of 128)
 NATIVE_WIDTHS = dict(TINY, hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+# mixtures of experts at those widths: Qwen2-MoE with its shared expert and a dense layer among sparse ones
+# (model_type= passed with them to make_checkpoint), Qwen3-MoE with renormalized top-k weights
+MOE = {
+    "qwen2_moe": dict(NATIVE_WIDTHS, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=256, mlp_only_layers=[1]),
+    "qwen3_moe": dict(NATIVE_WIDTHS, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=128, norm_topk_prob=True,
+                      head_dim=64),
+}
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"

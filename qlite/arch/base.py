@@ -1,5 +1,5 @@
 """What a model type changes about the decoder, its config and its files: one Architecture subclass per
-type (qwen2.py, ...), registered by config.json's `model_type`. The decoder (model.py), the config
+type (qwen2.py, ...), registered by config.json's `model_type`. The decoder (decoder/), the config
 parser (config.py), the GGUF reader and writer and `qlite info` ask it; nothing else names a type."""
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ class Architecture:
         from ..fields import field_of
         return self.qkv_bias if self.qkv_bias is not None else field_of(d, "attention_bias", bool, source, False)
 
+    def experts(self, d: dict, source: str):
+        """The config's mixture of experts (moe.Experts), or None: every MLP dense (moe.py's types say otherwise)."""
+        return None
+
     rope_scalings: ClassVar[tuple[str, ...]] = ()  # the rope scalings it accepts (rope.py), others refused
 
     def rope_scaling(self, scaling: dict, d: dict, source: str) -> tuple | None:
@@ -76,6 +80,14 @@ class Architecture:
         """The rotary inverse frequencies (head_dim / 2,), float32, and the factor on cos and sin."""
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").float() / cfg.head_dim)
         return rope.scaled(inv_freq, cfg.rope_scaling, cfg.head_dim, cfg.rope_theta)
+
+    def gguf_metadata(self, cfg, where: str) -> dict:
+        """llama.cpp's metadata keys (without the `gguf_arch.` prefix) this type adds to a GGUF export."""
+        return {}
+
+    def gguf_config(self, field) -> dict:
+        """config.json fields this type reads from a GGUF's metadata (field(key): the value of `gguf_arch.key`, or None)."""
+        return {}
 
     def gguf_rows(self, name: str, rows: int, n_head: int, n_kv: int) -> torch.Tensor | None:
         """Where llama.cpp's converter reorders a tensor's rows (HF name): GGUF row i is HF row order[i];

@@ -1,4 +1,4 @@
-"""Every config.json field qlite knows, and what it does with each: read (Qwen2Config.from_dict takes it
+"""Every config.json field qlite knows, and what it does with each: read (ModelConfig.from_dict takes it
 and checks it), accepted only at the values that mean what qlite runs, or ignored because it cannot
 change a forward pass (said why). A field in no table is refused by name: a new transformers feature
 is a refusal until someone implements it, never a silently different model. One table for what every
@@ -13,7 +13,7 @@ from ..errors import QliteError
 
 @dataclass(frozen=True)
 class Read:
-    """Qwen2Config.from_dict reads it (strictly typed, validated there)."""
+    """ModelConfig.from_dict reads it (strictly typed, validated there)."""
     what: str
 
 

@@ -92,13 +92,13 @@ def test_blocks_through_the_cache_score_what_one_pass_scores(base_and_quant, mon
     """Chunks past LONG_CTX go through the KV caches block by block (the baseline's too): the same
     metrics as one pass; a model against itself stays perfect."""
     import eval.run
-    from qlite.model import Qwen2ForCausalLM
+    from qlite.decoder.causal_lm import CausalLM
 
     base, quant, text = base_and_quant
     kw = dict(data=[str(text)], ctx=40, max_chunks=2, dtype="float32", kernel="reference", progress=False)
     one_pass = evaluate([base, quant], base, **kw)
     monkeypatch.setattr(eval.run, "LONG_CTX", 16)
-    monkeypatch.setattr(Qwen2ForCausalLM, "prefill_chunk", 16)  # blocks of 16, 16, 8
+    monkeypatch.setattr(CausalLM, "prefill_chunk", 16)  # blocks of 16, 16, 8
     blocks = evaluate([base, quant], base, **kw)
     assert blocks[0].metrics["kld_mean"] == pytest.approx(0, abs=1e-6) and blocks[0].metrics["tokens"] == 2 * 39
     assert blocks[1].metrics["kld_mean"] == pytest.approx(one_pass[1].metrics["kld_mean"], rel=1e-3)

@@ -10,7 +10,8 @@ from qlite.errors import QliteError
 from qlite.decode import generate_tokens
 from qlite.generate import SamplingParams
 from qlite.loader import load_model
-from qlite.model import Linear, TorchOps
+from qlite.decoder.linear import Linear
+from qlite.decoder.ops import TorchOps
 from qlite.qlinear import QuantLinear
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 

@@ -1,6 +1,6 @@
 import pytest
 
-from qlite.config import Qwen2Config
+from qlite.config import ModelConfig
 from qlite.errors import QliteError
 
 BASE = dict(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -8,8 +8,8 @@ BASE = dict(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_siz
 
 
 def test_reads_rope_theta_from_either_place_and_eos_list():
-    old = Qwen2Config.from_dict(dict(BASE, rope_theta=5e5, eos_token_id=7))
-    new = Qwen2Config.from_dict(dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    old = ModelConfig.from_dict(dict(BASE, rope_theta=5e5, eos_token_id=7))
+    new = ModelConfig.from_dict(dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
                                      eos_token_id=[7, 8]))
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.eos_token_ids == (7,) and new.eos_token_ids == (7, 8)
@@ -29,7 +29,7 @@ def test_reads_rope_theta_from_either_place_and_eos_list():
 def test_invalid_configs_are_named(change, message):
     d = {k: v for k, v in dict(BASE, **change).items() if v is not None}
     with pytest.raises(QliteError, match=message):
-        Qwen2Config.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 # --- the config-field table (arch/config_fields.py) --------------------------------------------------
@@ -62,7 +62,7 @@ def test_every_field_of_transformers_config_has_a_rule(model_type):
 ])
 def test_fields_qlite_does_not_run_are_refused_by_name(change, message):
     with pytest.raises(QliteError, match=message):
-        Qwen2Config.from_dict(dict(BASE, **change))
+        ModelConfig.from_dict(dict(BASE, **change))
 
 
 def test_hidden_act_changes_transformers_logits_and_qlite_refuses_it(tmp_path):
@@ -108,5 +108,5 @@ def test_ignored_fields_do_not_change_transformers_logits(tmp_path, model_type, 
         before = hf_model(path)(ids).logits
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps(dict(config, **changes)))
-        Qwen2Config.from_dict(json.loads((path / "config.json").read_text()))  # qlite takes them
+        ModelConfig.from_dict(json.loads((path / "config.json").read_text()))  # qlite takes them
         assert torch.equal(hf_model(path)(ids).logits, before)

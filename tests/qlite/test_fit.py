@@ -7,7 +7,7 @@ from cli_checks import assert_one_line_error, run_cli
 from qlite import fit
 from qlite.checkpoint import CheckpointDir
 from qlite.loader import load_model
-from qlite.model import Qwen2ForCausalLM
+from qlite.decoder.causal_lm import CausalLM
 from tiny_models import make_checkpoint
 
 
@@ -42,7 +42,7 @@ def test_the_longest_context_is_the_boundary_of_what_fits(ckpt32):
     assert fit.longest_context(ckpt, available, kv_bits=4) > longest > fit.longest_context(ckpt, available, kv_bits=16)
     assert fit.longest_context(ckpt, 10) == 0
     assert fit.longest_context(ckpt, 2**50) == ckpt.config.context_length
-    assert fit.PREFILL_CHUNK == Qwen2ForCausalLM.prefill_chunk
+    assert fit.PREFILL_CHUNK == CausalLM.prefill_chunk
 
 
 def test_generate_chat_and_serve_refuse_a_run_that_cannot_fit(ckpt32, capsys, monkeypatch):

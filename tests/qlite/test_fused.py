@@ -11,7 +11,8 @@ from qlite.fused import FusedLayers
 from qlite.generate import left_padded
 from qlite.kernels import Reference
 from qlite.loader import load_model
-from qlite.model import SplitLinear, Step
+from qlite.decoder.linear import SplitLinear
+from qlite.decoder.ops import Step
 from qlite.qconfig import QuantConfig
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 

@@ -1,4 +1,4 @@
-"""The quantized KV cache (kv_quant.py, model.KVCache): its records byte for byte against a plain
+"""The quantized KV cache (kv_quant.py, decoder.kv_cache.KVCache): its records byte for byte against a plain
 Python reading of the documented layout, the error of a round trip, the key offsets against their
 definition, and a model decoding through an int8 / int4 cache against the bf16 cache's logits."""
 import math

@@ -16,7 +16,7 @@ from qlite import native
 from qlite.errors import QliteError
 from qlite.loader import load_model
 from qlite.formats import Int4, Int4K, Int8
-from qlite.model import apply_rope
+from qlite.decoder.ops import apply_rope
 from qlite.qlinear import QuantLinear
 from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
 

@@ -8,12 +8,12 @@ import torch
 
 from arch_checks import assert_gguf_round_trip, assert_greedy_matches, assert_logits_match
 from qlite.checkpoint import CheckpointDir
-from qlite.config import Qwen2Config
+from qlite.config import ModelConfig
 from qlite.decode import generate_tokens
 from qlite.errors import QliteError
 from qlite.generate import SamplingParams
 from qlite.loader import load_model
-from qlite.model import Rotary
+from qlite.decoder.layers import Rotary
 from quantize.gguf_export import export_gguf
 from tiny_models import hf_model, make_checkpoint
 
@@ -33,7 +33,7 @@ def test_frequencies_equal_transformers(scaling):
 
     base = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6)
-    ours = Rotary(Qwen2Config.from_dict({"model_type": "qwen2", **base, "rope_scaling": scaling}))
+    ours = Rotary(ModelConfig.from_dict({"model_type": "qwen2", **base, "rope_scaling": scaling}))
     hf = HFConfig(**base, rope_scaling=dict(scaling))
     hf.standardize_rope_params()
     inv_freq, factor = ROPE_INIT_FUNCTIONS[hf.rope_parameters["rope_type"]](hf, "cpu")
@@ -58,7 +58,7 @@ def test_dynamic_frequencies_equal_transformers(seq_len):
     base = dict(vocab_size=1000, hidden_size=3584, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6)
     scaling = {"rope_type": "dynamic", "factor": 4.0}
-    ours = Rotary(Qwen2Config.from_dict({"model_type": "qwen2", **base, "rope_scaling": scaling}))
+    ours = Rotary(ModelConfig.from_dict({"model_type": "qwen2", **base, "rope_scaling": scaling}))
     hf = HFConfig(**base, rope_scaling=dict(scaling))
     hf.standardize_rope_params()
     inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=torch.tensor(seq_len))
@@ -66,7 +66,7 @@ def test_dynamic_frequencies_equal_transformers(seq_len):
     cos, _ = ours(positions)  # (B, 1, T, head_dim)
     expected = torch.outer(torch.tensor([0.0, seq_len - 1]), inv_freq.float()).cos()  # (T, head_dim/2)
     assert torch.allclose(cos[0, 0, :, :64], expected, rtol=0, atol=1e-6)
-    plain = Rotary(Qwen2Config.from_dict({"model_type": "qwen2", **base}))
+    plain = Rotary(ModelConfig.from_dict({"model_type": "qwen2", **base}))
     assert torch.equal(cos[1], plain(positions[1:])[0][0])
 
 
@@ -95,5 +95,5 @@ def test_gguf_carries_the_scaling_both_ways(tmp_path):
     """export --to gguf writes llama.cpp's rope scaling keys; import-gguf reads them back into the config."""
     path = make_checkpoint(tmp_path / "ckpt", rope_scaling=dict(YARN))
     assert_gguf_round_trip(path, tmp_path, "qwen2")
-    read = lambda d: Qwen2Config.from_dict(json.loads((d / "config.json").read_text())).rope_scaling  # noqa: E731
+    read = lambda d: ModelConfig.from_dict(json.loads((d / "config.json").read_text())).rope_scaling  # noqa: E731
     assert read(tmp_path / "back") == read(path) is not None

@@ -87,3 +87,38 @@ def test_the_cli_damp_default_is_the_library_one():
     from qlite.qconfig import DAMP
 
     assert next(p for p in quantize.params if p.name == "damp").default == DAMP
+
+
+def test_an_expert_routed_few_tokens_is_calibrated_on_all_of_them():
+    """The stated rule (calibrate.few_tokens_experts): an expert the router sent fewer than FEW_TOKENS tokens
+    gets the Hessians of every token of its layer through it; one sent enough keeps its own."""
+    from qlite.config import ModelConfig
+    from qlite.decoder.mlp import SparseMLP
+    from quantize.calibrate import FEW_TOKENS, few_tokens_experts
+    from quantize.gptq import Hessian, hessian_of
+
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, num_experts=4,
+                                     num_experts_per_tok=1, moe_intermediate_size=16))
+    torch.manual_seed(0)
+    mlp = SparseMLP(cfg, "model.layers.0.mlp.")
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(4 * FEW_TOKENS, 32)
+    busy = torch.zeros(4 * FEW_TOKENS, dtype=torch.bool)
+    busy[:FEW_TOKENS] = True  # expert 0: exactly FEW_TOKENS of them; the others: none
+    names = [f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_up_proj", "down_proj")]
+    hessians = {n: Hessian(16 if n.endswith("down_proj") else 32) for n in names}
+    hessians["mlp.experts.0.gate_up_proj"].add(x[busy])
+    hooks = [mlp.experts[e].get_submodule(p).register_forward_hook(
+        lambda m, inp, _, n=f"mlp.experts.{e}.{p}": hessians[n].add(inp[0]))
+        for e in range(4) for p in ("gate_up_proj", "down_proj")]
+    few_tokens_experts("mlp", mlp, x, hessians)
+    for h in hooks:
+        h.remove()
+    assert hessians["mlp.experts.0.gate_up_proj"].tokens == FEW_TOKENS  # kept its own
+    for e in range(1, 4):
+        expert = mlp.experts[e]
+        assert torch.allclose(hessians[f"mlp.experts.{e}.gate_up_proj"].matrix(), hessian_of(x), rtol=1e-4)
+        inner = expert.ops.silu_mul(expert.gate_up_proj(x))
+        assert torch.allclose(hessians[f"mlp.experts.{e}.down_proj"].matrix(), hessian_of(inner), rtol=1e-4, atol=1e-3)

@@ -1,4 +1,5 @@
-"""Every preset and budget, on tied and untied tiny models of widths int4-g128 divides (at widths it does
+"""Every preset and budget, on tied and untied tiny models of widths int4-g128 divides, dense and mixtures
+of experts (at widths it does
 not divide the presets fall back to 8 bits, which hid a broken tied int4 table): quantize with its report,
 load, generate, serve one request, eval, and each export read back."""
 import json
@@ -12,7 +13,7 @@ from qlite.engine import Engine
 from qlite.loader import load_model
 from qlite.pipeline import load
 from quantize.presets import PRESETS
-from tiny_models import NATIVE_WIDTHS, make_checkpoint
+from tiny_models import MOE, NATIVE_WIDTHS, make_checkpoint
 
 from .test_convert import dequantized_twin
 
@@ -21,10 +22,13 @@ RECIPES = {**{name: ["--preset", name] for name in PRESETS},
 IDS = torch.tensor([[3, 17, 250, 9, 100, 42, 7, 300, 12, 5]])
 
 
-@pytest.fixture(scope="module", params=["tied", "untied"])
+@pytest.fixture(scope="module", params=["tied", "untied", "qwen2_moe", "qwen3_moe-tied"])
 def source(request, tmp_path_factory):
+    model_type = request.param.removesuffix("-tied")
+    widths = MOE.get(model_type, NATIVE_WIDTHS)
     return make_checkpoint(tmp_path_factory.mktemp(request.param) / "src", seed=11,
-                           **dict(NATIVE_WIDTHS, tie_word_embeddings=request.param == "tied"))
+                           model_type=model_type if model_type in MOE else "qwen2",
+                           **dict(widths, tie_word_embeddings=request.param.endswith("tied")))
 
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
@@ -87,12 +91,17 @@ def test_serves_one_request_as_the_python_api_answers(quantized):
 def test_exports_read_back(quantized, tmp_path, capsys, to):
     """Each export imported back runs with the quantized model's logits: exactly where the weights
     travel as they are, up to float16 where an export rounds a table or head to it (GGUF's import
-    dequantizes to float16). GPTQ holds one format: a mix is refused in one line."""
+    dequantizes to float16). GPTQ holds one format: a mix is refused in one line; so is a GGUF of a mixture
+    of experts with dense layers among its sparse ones, which llama.cpp cannot hold."""
     _, out = quantized
     x = tmp_path / ("m.gguf" if to == "gguf" else "x")
     code, _, err = run_cli(capsys, "export", out, "--to", to, "--out", x)
-    if to == "gptq" and CheckpointDir(out).config.quantization.module_formats:
+    cfg = CheckpointDir(out).config
+    if to == "gptq" and cfg.quantization.module_formats:
         assert_one_line_error(code, err, "a mix of formats")
+        return
+    if to == "gguf" and cfg.experts is not None and cfg.experts.dense_layers:
+        assert_one_line_error(code, err, "llama.cpp's qwen2moe makes every layer sparse")
         return
     assert code == 0, err
     code, _, err = run_cli(capsys, "import", x, "--out", tmp_path / "back")

@@ -1,0 +1,141 @@
+"""Mixtures of experts against transformers' Qwen2MoeForCausalLM and Qwen3MoeForCausalLM on tiny random
+checkpoints it writes itself (per-expert names, as the hub's files): a router's top-k experts, Qwen2-MoE's
+shared expert under its sigmoid gate and a dense layer among sparse ones, Qwen3-MoE's renormalized
+weights. Logits, greedy text, quantize / generate / chat / serve, GGUF's merged expert tensors, and a batch
+of concurrent clients answered as each alone. Every preset on them: tests/quantize/test_presets.py."""
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from arch_checks import (assert_gguf_round_trip, assert_greedy_matches, assert_int4_quantizes_generates_and_serves,
+                         assert_logits_match, serve_once)
+from cli_checks import assert_one_line_error, run_cli
+from qlite.config import ModelConfig
+from qlite.engine import Engine
+from qlite.errors import QliteError
+from qlite.pipeline import load
+from tiny_models import MOE, TINY, make_checkpoint
+
+SMALL = {  # widths below the native kernels': the reference path, as transformers computes
+    "qwen2_moe": dict(num_hidden_layers=3, intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SMALL))
+def small(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", model_type=request.param, **SMALL[request.param])
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen2_moe", {}), ("qwen2_moe", {"tie_word_embeddings": True, "norm_topk_prob": True, "decoder_sparse_step": 2}),
+    ("qwen2_moe", {"qkv_bias": False, "mlp_only_layers": []}),
+    ("qwen3_moe", {}), ("qwen3_moe", {"tie_word_embeddings": True, "norm_topk_prob": False, "mlp_only_layers": [0]}),
+], ids=["shared-expert-dense-layer", "tied-renormalized-every-second", "no-bias-all-sparse", "qwen3", "qwen3-tied-dense-first"])
+def test_logits_match_transformers(tmp_path, model_type, overrides):
+    assert_logits_match(make_checkpoint(tmp_path / "ckpt", model_type=model_type, **{**SMALL[model_type], **overrides}))
+
+
+def test_greedy_matches_transformers(small):
+    assert_greedy_matches(small)
+
+
+def test_int4_quantizes_generates_and_serves(small, tmp_path, capsys):
+    assert_int4_quantizes_generates_and_serves(small, tmp_path, capsys)
+
+
+def test_only_the_chosen_experts_run(small, monkeypatch):
+    """A token reads its k experts and no other (decode never pages in an expert it does not use); prefill runs
+    each chosen expert once over all its tokens."""
+    lm = load(small, dtype="float32")
+    layer = next(layer for layer in lm.model.model.layers if hasattr(layer.mlp, "experts"))
+    calls = []
+    for e, expert in enumerate(layer.mlp.experts):
+        monkeypatch.setattr(expert, "forward", lambda x, e=e, f=expert.forward: calls.append((e, x.shape[0])) or f(x))
+    x = torch.randn(1, 5, lm.model.config.hidden_size)
+    chosen, _ = layer.mlp.route(x.reshape(5, -1))
+    layer.mlp(x)
+    assert sorted(calls) == sorted((e, int((chosen == e).sum())) for e in chosen.unique().tolist())
+    calls.clear()
+    layer.mlp(x[:, :1])
+    assert sorted(e for e, _ in calls) == sorted(chosen[0].tolist()) and all(n == 1 for _, n in calls)
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_int8_and_the_default_quantize_generate_chat_and_serve(model_type, tmp_path, capsys, monkeypatch):
+    src = make_checkpoint(tmp_path / "src", model_type=model_type, **MOE[model_type])
+    for flags, name in ((["--bits", "8"], "int8"), ([], "default")):
+        out = tmp_path / name
+        code, _, err = run_cli(capsys, "quantize", src, "--out", out, *flags)
+        assert code == 0, err
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hi there\n/quit\n")))
+        code, text, err = run_cli(capsys, "chat", "-m", out, "--max-new-tokens", "6")
+        assert code == 0 and text, err
+        code, text, err = run_cli(capsys, "generate", "-m", out, "-p", "the thin tin", "--max-new-tokens", "6")
+        assert code == 0 and text, err
+        serve_once(out)
+        code, text, _ = run_cli(capsys, "info", out)
+        assert code == 0 and f"experts 8 x 128 ({MOE[model_type]['num_experts_per_tok']} per token" in text
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_eight_concurrent_clients_get_their_answers_alone(model_type, tmp_path):
+    from tests.qlite.test_server import PROMPTS, chat, running
+    src = make_checkpoint(tmp_path / "src", model_type=model_type, **MOE[model_type])
+    lm = load(src, dtype="float32")
+    want = [lm.generate([{"role": "user", "content": p}], max_new_tokens=12) for p in PROMPTS]
+    with running(lm, Engine(lm, max_batch=8, ctx=128, max_queue=8).start()) as (port, _):
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: chat(port, p, max_tokens=12)["choices"][0]["message"]["content"], PROMPTS))
+    assert got == want
+
+
+@pytest.mark.parametrize("model_type, gguf_arch", [("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+def test_gguf_export_merges_the_experts_and_imports_back(model_type, gguf_arch, tmp_path):
+    """llama.cpp's names and layout: a layer's experts as one (experts, rows, columns) tensor, the router as
+    ffn_gate_inp, the shared expert's _shexp tensors; imported back to transformers' logits."""
+    from gguf import GGUFReader
+
+    src = make_checkpoint(tmp_path / "src", model_type=model_type,
+                          **{**SMALL[model_type], "mlp_only_layers": [], "moe_intermediate_size": 64, "head_dim": 32})
+    assert_gguf_round_trip(src, tmp_path, gguf_arch)
+    reader = GGUFReader(tmp_path / "model.gguf")
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (TINY["hidden_size"], 64, 8)  # ggml's order: columns first
+    assert shapes["blk.0.ffn_down_exps.weight"] == (64, TINY["hidden_size"], 8)
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (TINY["hidden_size"], 8)
+    assert ("blk.0.ffn_up_shexp.weight" in shapes) == (model_type == "qwen2_moe")
+    assert reader.fields[f"{gguf_arch}.expert_used_count"].contents() == SMALL[model_type]["num_experts_per_tok"]
+
+
+@pytest.mark.parametrize("model_type, overrides, needle", [
+    ("qwen2_moe", {}, "dense layers among sparse ones"),  # mlp_only_layers [1]
+    ("qwen2_moe", {"mlp_only_layers": [], "norm_topk_prob": True}, "always keeps"),
+    ("qwen3_moe", {"norm_topk_prob": False}, "always renormalizes"),
+])
+def test_a_gguf_llama_cpp_cannot_hold_is_refused_in_one_line(model_type, overrides, needle, tmp_path, capsys):
+    src = make_checkpoint(tmp_path / "src", model_type=model_type, **{**SMALL[model_type], **overrides})
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "export", src, "--to", "gguf", "--out", tmp_path / "m.gguf")
+    assert_one_line_error(code, err, needle, "not exported")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+BASE = dict(TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than num_experts 8"),
+    ({"num_local_experts": 4}, "num_experts 8 and num_local_experts 4 disagree"),
+    ({"num_experts": None}, "num_experts is missing"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size must be positive"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers must be a list"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be positive"),
+    ({"num_experts_per_tok": "2"}, "num_experts_per_tok must be an integer"),
+])
+def test_bad_expert_fields_are_refused_by_name(overrides, needle):
+    with pytest.raises(QliteError, match=needle):
+        ModelConfig.from_dict({k: v for k, v in {**BASE, **overrides}.items() if v is not None})
