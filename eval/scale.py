@@ -1,4 +1,4 @@
-"""Checkpoints of real Qwen2.5 shapes with random weights, for what the 0.5B demo model cannot show: cost
+"""Checkpoints of real Qwen2.5 shapes (and of the mixtures of experts Qwen3-30B-A3B and Qwen2-57B-A14B) with random weights, for what the 0.5B demo model cannot show: cost
 at 7B-72B (time, memory, prefill and decode speed). Every tensor of a real checkpoint, in bf16 safetensors
 shards written one at a time (memory: one shard), the demo model's tokenizer beside them. For 32B and 72B
 `--layers N` keeps a few layers at full width and vocabulary: the per-layer cost, which is what bounds a
@@ -37,6 +37,9 @@ SHARD_BYTES = 2 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 @dataclass(frozen=True)
 class Shape:
     hidden: int
@@ -46,36 +49,69 @@ class Shape:
     kv_heads: int
     vocab: int
     tied: bool
+    model_type: str = "qwen2"
+    head_dim: int | None = None  # None: hidden / heads
+    experts: int = 0  # a mixture of experts: every layer sparse, `experts` of `expert_width`, `per_token` each token
+    per_token: int = 0
+    expert_width: int = 0
+    shared_width: int = 0  # Qwen2-MoE's shared expert
+    norm_topk_prob: bool = False
 
     def config(self, layers: int | None = None) -> dict:
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": self.vocab,
-                "hidden_size": self.hidden, "intermediate_size": self.intermediate,
-                "num_hidden_layers": layers or self.layers, "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-                "rms_norm_eps": 1e-06, "tie_word_embeddings": self.tied, "bos_token_id": 151643,
-                "eos_token_id": 151645, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+        config = {"architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+                  "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+                  "num_hidden_layers": layers or self.layers, "num_attention_heads": self.heads,
+                  "num_key_value_heads": self.kv_heads, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                  "rms_norm_eps": 1e-06, "tie_word_embeddings": self.tied, "bos_token_id": 151643,
+                  "eos_token_id": 151645, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+        if self.head_dim:
+            config["head_dim"] = self.head_dim
+        if self.experts:
+            config.update(num_experts=self.experts, num_experts_per_tok=self.per_token,
+                          moe_intermediate_size=self.expert_width, norm_topk_prob=self.norm_topk_prob)
+            if self.shared_width:
+                config["shared_expert_intermediate_size"] = self.shared_width
+        return config
 
     def tensors(self, layers: int | None = None):
         """(name, shape) of every tensor, in checkpoint order."""
-        h, i, d = self.hidden, self.intermediate, self.hidden // self.heads
+        h, d = self.hidden, self.head_dim or self.hidden // self.heads
+        bias, qk_norm = self.model_type in ("qwen2", "qwen2_moe"), self.model_type == "qwen3_moe"
         yield "model.embed_tokens.weight", (self.vocab, h)
         for n in range(layers or self.layers):
             p = f"model.layers.{n}."
             yield p + "input_layernorm.weight", (h,)
             for proj, rows in (("q", self.heads * d), ("k", self.kv_heads * d), ("v", self.kv_heads * d)):
                 yield p + f"self_attn.{proj}_proj.weight", (rows, h)
-                yield p + f"self_attn.{proj}_proj.bias", (rows,)
-            yield p + "self_attn.o_proj.weight", (h, h)
+                if bias:
+                    yield p + f"self_attn.{proj}_proj.bias", (rows,)
+            yield p + "self_attn.o_proj.weight", (h, self.heads * d)
+            if qk_norm:
+                yield p + "self_attn.q_norm.weight", (d,)
+                yield p + "self_attn.k_norm.weight", (d,)
             yield p + "post_attention_layernorm.weight", (h,)
-            yield p + "mlp.gate_proj.weight", (i, h)
-            yield p + "mlp.up_proj.weight", (i, h)
-            yield p + "mlp.down_proj.weight", (h, i)
+            mlps = [("mlp.", self.intermediate)]
+            if self.experts:
+                yield p + "mlp.gate.weight", (self.experts, h)
+                mlps = [(f"mlp.experts.{e}.", self.expert_width) for e in range(self.experts)]
+                if self.shared_width:
+                    mlps.append(("mlp.shared_expert.", self.shared_width))
+                    yield p + "mlp.shared_expert_gate.weight", (1, h)
+            for prefix, width in mlps:
+                yield p + prefix + "gate_proj.weight", (width, h)
+                yield p + prefix + "up_proj.weight", (width, h)
+                yield p + prefix + "down_proj.weight", (h, width)
         yield "model.norm.weight", (h,)
         if not self.tied:
             yield "lm_head.weight", (self.vocab, h)
 
     def parameters(self, layers: int | None = None) -> int:
         return sum(torch.Size(shape).numel() for _, shape in self.tensors(layers))
+
+    def active_parameters(self, layers: int | None = None) -> int:
+        """Parameters one token reads (a mixture: its k experts of each layer's, not the others)."""
+        unused = (self.experts - self.per_token) * 3 * self.hidden * self.expert_width * (layers or self.layers)
+        return self.parameters(layers) - unused
 
 
 SHAPES = {  # Qwen2.5's published configs
@@ -86,6 +122,11 @@ SHAPES = {  # Qwen2.5's published configs
     "14b": Shape(5120, 13824, 48, 40, 8, 152064, False),
     "32b": Shape(5120, 27648, 64, 40, 8, 152064, False),
     "72b": Shape(8192, 29568, 80, 64, 8, 152064, False),
+    # mixtures of experts (Qwen3's and Qwen2's published configs)
+    "30b-a3b": Shape(2048, 6144, 48, 32, 4, 151936, False, "qwen3_moe", head_dim=128, experts=128, per_token=8,
+                     expert_width=768, norm_topk_prob=True),
+    "57b-a14b": Shape(3584, 18944, 28, 28, 4, 151936, False, "qwen2_moe", experts=64, per_token=8, expert_width=2560,
+                      shared_width=20480),
 }
 
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import native
+from . import native, native_moe
 from .errors import QliteError
 from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference, VnniInt4,
                       VnniInt8)
 from .fused import FusedLayers
 from .decoder.causal_lm import Decoder
 from .decoder.linear import Linear
+from .decoder.mlp import SparseMLP
 from .decoder.ops import Step, TorchOps
 from .qlinear import QuantLinear
 
@@ -75,6 +76,14 @@ class NativeOps(TorchOps):
                     step.start + first, None if step.key_starts is None else step.key_starts[b].expand(T - first),
                     cache.kv_bits, offset, one_sequence=True)
         return y
+
+    @staticmethod
+    def sparse_mlp(mlp, x):
+        """In one native call (native_moe.py, the fused step's own) where the layer's products are all native."""
+        described = getattr(mlp, "native", None)
+        if described is not None and native.bf16_ready(x):
+            return described(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return TorchOps.sparse_mlp(mlp, x)
 
     @staticmethod
     def argmax_rows(logits):
@@ -148,11 +157,17 @@ def use_backend(model: nn.Module, name: str = "auto", release=None) -> None:
             if kernel is None and isinstance(mod, QuantLinear):
                 raise QliteError(f"--kernel {name}: cannot run {module_name} ({mod.fmt.name}, "
                                  f"{mod.out_features}x{mod.in_features}) on {mod.qweight.device}; try --kernel auto")
-            mod.kernel = None if kernel is None else kernel(mod)
-            for buffer in getattr(mod.kernel, "copies", ()) if release else ():
-                release(getattr(mod, buffer))
+            if kernel is not None and getattr(kernel, "deferrable", False) and ".mlp.experts." in module_name:
+                mod.kernel = kernel(mod, release, deferred=True)  # made when a token first chooses the expert
+            else:
+                mod.kernel = None if kernel is None else kernel(mod)
+                for buffer in getattr(mod.kernel, "copies", ()) if release else ():
+                    release(getattr(mod, buffer))
         if hasattr(type(mod), "ops"):
             mod.ops = ops
+    for mod in model.modules():  # once every layer has its kernel: a sparse MLP's C description
+        if isinstance(mod, SparseMLP):
+            mod.native = native_moe.NativeSparseMLP.build(mod, model.config.hidden_size) if ops is NativeOps else None
     for mod in model.modules():  # once every layer has its kernel
         if isinstance(mod, Decoder):
             mod.fused_layers = FusedLayers.build(mod) if ops is NativeOps else None

@@ -27,7 +27,8 @@ class CProduct(ctypes.Structure):  # decode_step.h's qlite_product
 
 class CLayer(ctypes.Structure):  # decode_step.h's qlite_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", CProduct * 3), ("o", CProduct),
-                ("gate_up", CProduct * 2), ("down", CProduct), ("n_qkv", _I), ("n_gate_up", _I)]
+                ("gate_up", CProduct * 2), ("down", CProduct), ("n_qkv", _I), ("n_gate_up", _I),
+                ("q_norm", _P), ("k_norm", _P), ("moe", _P)]
 
 
 def c_product(product: native.Product) -> CProduct:
@@ -55,6 +56,7 @@ class FusedLayers:
         self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv, cfg.head_dim
         # what the table points at besides the products (which their layers hold): kept alive here too
         self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in model.layers]
+        self.sparse = [layer.mlp.native for layer in model.layers if getattr(layer.mlp, "native", None) is not None]
 
     @classmethod
     def build(cls, model: Decoder) -> FusedLayers | None:
@@ -68,21 +70,30 @@ class FusedLayers:
             return None
         rows = []
         for layer in model.layers:
-            if hasattr(layer.self_attn, "q_norm") or not isinstance(layer.mlp, MLP):  # per-head q/k norms, experts:
-                return None  # not in the native step
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            qkv, o = products(layer.self_attn.qkv_proj), products(layer.self_attn.o_proj)
-            gate_up, down = products(layer.mlp.gate_up_proj), products(layer.mlp.down_proj)
-            if None in (qkv, o, gate_up, down) or any(w.dtype != torch.bfloat16 for w in norms):
+            a = layer.self_attn
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     *((a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else ()))
+            qkv, o = products(a.qkv_proj), products(a.o_proj)
+            if (None in (qkv, o) or any(w.dtype != torch.bfloat16 for w in norms) or any(p.K != hidden for p in qkv)
+                    or sum(p.N for p in qkv) != q_rows + 2 * a.n_kv * hd or (o[0].K, o[0].N) != (q_rows, hidden)):
                 return None
-            inter = sum(p.N for p in gate_up) // 2
-            if (any(p.K != hidden for p in qkv + gate_up) or sum(p.N for p in qkv) != q_rows + 2 * attn.n_kv * hd
-                    or (o[0].K, o[0].N, down[0].N, down[0].K) != (q_rows, hidden, hidden, inter) or inter % 32):
-                return None
-            row = CLayer(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), o=c_product(o[0]),
-                         down=c_product(down[0]), n_qkv=len(qkv), n_gate_up=len(gate_up))
+            row = CLayer(input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), o=c_product(o[0]), n_qkv=len(qkv))
             row.qkv[:len(qkv)] = [c_product(p) for p in qkv]
-            row.gate_up[:len(gate_up)] = [c_product(p) for p in gate_up]
+            if len(norms) == 4:  # Qwen3's per-head q/k norms
+                row.q_norm, row.k_norm = norms[2].data_ptr(), norms[3].data_ptr()
+            if isinstance(layer.mlp, MLP):
+                gate_up, down = products(layer.mlp.gate_up_proj), products(layer.mlp.down_proj)
+                if None in (gate_up, down):
+                    return None
+                inter = sum(p.N for p in gate_up) // 2
+                if any(p.K != hidden for p in gate_up) or (down[0].N, down[0].K) != (hidden, inter) or inter % 32:
+                    return None
+                row.down, row.n_gate_up = c_product(down[0]), len(gate_up)
+                row.gate_up[:len(gate_up)] = [c_product(p) for p in gate_up]
+            elif getattr(layer.mlp, "native", None) is not None:  # a sparse MLP: its C description (native_moe.py)
+                row.moe = ctypes.addressof(layer.mlp.native.struct)
+            else:
+                return None
             rows.append(row)
         return cls(model, (CLayer * len(rows))(*rows))
 
@@ -118,9 +129,11 @@ class FusedLayers:
         cos, sin = step.cos.reshape(rows, hd).contiguous(), step.sin.reshape(rows, hd).contiguous()
         out = x.reshape(rows, self.hidden).clone()  # updated in place
         row_stride = k.stride(1) * k.element_size() if T == 1 else 0  # T > 1: every row in cache row 0
-        native.library().qlite_decode_layers(
+        rc = native.library().qlite_decode_layers(
             ctypes.addressof(self.table), self.n_layers, out.data_ptr(), rows, self.hidden, self.eps, cos.data_ptr(),
             sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), row_stride,
             native._ptr(starts), self.n_head, n_kv, hd, capacity, pos, pos_step, bits, native._ptr(offsets),
             torch.get_num_threads())
+        if rc:
+            raise RuntimeError("native decode step: an expert's kernel could not be made")
         return out.view(B, T, self.hidden)

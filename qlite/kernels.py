@@ -157,18 +157,34 @@ class _Native:
     per sequence up to which each row's result is the same at any row count and in any batch (the
     products'; the matmul's are not)."""
     max_rows = native.MAX_ROWS
+    deferrable = True  # may make its buffers on first use (use_backend: a mixture's experts)
 
     @property
     def exact_rows(self) -> int:
         return self.max_rows
     copies = ()  # the layer's buffers this kernel keeps a copy of, in its own layout (the load drops their pages)
 
-    def __init__(self, layer):
-        self.stored = self.own_buffers(layer)
-        self.bias = layer.bias
-        self.product = self.prepare(**self.stored, bias32=native.float_bias(layer.bias))
+    def __init__(self, layer, release=None, deferred: bool = False):
+        """deferred: its buffers made (codes tiled, ...) on first use, then release(t) of each buffer it copied
+        (a mixture's expert: one no token chooses is never read, so never paged in)."""
+        self.layer, self.release, self.bias, self.deferred = layer, release, layer.bias, deferred
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.matmul_dtype = native.matmul_dtype()
+        self._product = None
+        if not deferred:
+            self.build()
+
+    def build(self) -> None:
+        self.stored = self.own_buffers(self.layer)
+        self._product = self.prepare(**self.stored, bias32=native.float_bias(self.layer.bias))
+        for buffer in self.copies if self.release else ():
+            self.release(getattr(self.layer, buffer))
+
+    @property
+    def product(self) -> native.Product:
+        if self._product is None:
+            self.build()
+        return self._product
 
     @staticmethod
     def own_buffers(layer) -> dict:
@@ -177,6 +193,7 @@ class _Native:
     def __call__(self, x):
         if sequence_rows(x) <= self.max_rows:
             return self.product(x).to(x.dtype)
+        self.product  # noqa: B018  (built: its buffers)
         weight = self.dequantize(**self.stored, out=dequantize_buffer(self.out_features, self.in_features))
         return _bias(bucketed_linear(x.to(self.matmul_dtype), weight.to(self.matmul_dtype)).to(x.dtype), self.bias)
 
@@ -265,9 +282,10 @@ class VnniInt4(_TiledCodes, NativeInt4):
 
 
 class NativeBf16:
-    """A 16-bit Linear's few-row products (per sequence) with a bf16 CPU weight, through native.gemv_bf16."""
+    """A 16-bit Linear's few-row products (per sequence) with a bf16 CPU weight, through native.gemv_bf16; every
+    row count for a layer whose rows must not depend on the rows beside them (`row_exact`: a mixture's router,
+    whose choices a prefill and a step must agree on; a small matrix, cheap either way)."""
     name = "native-bf16"
-    exact_rows = native.MAX_ROWS
 
     @staticmethod
     def supports(layer) -> bool:
@@ -279,9 +297,10 @@ class NativeBf16:
         self.weight, self.bias = layer.weight, layer.bias
         self.product = native.bf16_product(layer.weight, native.float_bias(layer.bias))
         self.matmul_dtype = native.matmul_dtype()
+        self.exact_rows = sys.maxsize if getattr(layer, "row_exact", False) else native.MAX_ROWS
 
     def __call__(self, x):
-        if sequence_rows(x) <= native.MAX_ROWS:
+        if sequence_rows(x) <= self.exact_rows:
             return self.product(x).to(x.dtype)
         dtype = self.matmul_dtype
         bias = None if self.bias is None else self.bias.to(dtype)

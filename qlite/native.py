@@ -51,6 +51,7 @@ SIGNATURES = {
     "qlite_argmax_bf16": [_P, _L, _L, _P, _P],
     "qlite_kv_decode": [_P, _L, _L, _L, _I, _L, _P, _L, _P, _I],
     "qlite_kv_record_bytes": [_I, _L],
+    "qlite_sparse_mlp": [_P, _P, _L, _L, _P, _I],
     "qlite_decode_layers": [_P, _L, _P, _L, _L, ctypes.c_float, _P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _L,
                             _I, _P, _I],
 }

@@ -32,16 +32,19 @@ class SparseMLP(nn.Module):
     product per expert over its tokens; an expert no token chose is never read (a mapped checkpoint
     never pages it in). Checkpoint names: prefix + gate, experts.E.{gate,up,down}_proj, shared_expert.*,
     shared_expert_gate, as transformers saves them."""
+    ops = TorchOps
 
     def __init__(self, cfg: ModelConfig, prefix: str):
         super().__init__()
         e = cfg.experts
         self.per_token, self.norm_topk_prob = e.per_token, e.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, e.count, bias=False)
+        self.gate.row_exact = True  # a token's choice the same in a prefill as in a step (kernels.NativeBf16)
         self.experts = nn.ModuleList(MLP(cfg, f"{prefix}experts.{i}.", e.width) for i in range(e.count))
         if e.shared_width:
             self.shared_expert = MLP(cfg, f"{prefix}shared_expert.", e.shared_width)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate.row_exact = True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For tokens x (N, hidden): the chosen experts (N, k) and their weights (N, k) in x's dtype."""
@@ -64,12 +67,4 @@ class SparseMLP(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, H = x.shape
-        flat = x.reshape(B * T, H)  # (N, hidden)
-        chosen, weights = self.route(flat)
-        out = torch.zeros_like(flat)
-        for expert, tokens, pairs in self.groups(chosen):  # ascending: each token's experts summed in transformers' order
-            out.index_add_(0, tokens, self.experts[expert](flat[tokens]) * weights.reshape(-1)[pairs, None])
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.view(B, T, H)
+        return self.ops.sparse_mlp(self, x)

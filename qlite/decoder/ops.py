@@ -81,6 +81,21 @@ class TorchOps:
         return y
 
     @staticmethod
+    def sparse_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' sparse MLP (decoder/mlp.py) of x (B, T, hidden): each token's k experts, each
+        expert once over the tokens that chose it, experts ascending (each token's sum in transformers' order),
+        weighted by the router; plus the shared expert's output under its sigmoid gate."""
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)  # (N, hidden)
+        chosen, weights = mlp.route(flat)
+        out = torch.zeros_like(flat)
+        for expert, tokens, pairs in mlp.groups(chosen):
+            out.index_add_(0, tokens, mlp.experts[expert](flat[tokens]) * weights.reshape(-1)[pairs, None])
+        if hasattr(mlp, "shared_expert"):
+            out = out + torch.sigmoid(mlp.shared_expert_gate(flat)) * mlp.shared_expert(flat)
+        return out.view(B, T, H)
+
+    @staticmethod
     def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
         """Per row of logits (B, V): the index of the largest, and whether all are finite."""
         rows = logits.float()

@@ -12,9 +12,27 @@ from tiny_models import make_checkpoint
 
 
 @pytest.mark.parametrize("name, billions", [("0.5b", 0.49), ("1.5b", 1.54), ("3b", 3.09), ("7b", 7.62), ("14b", 14.77),
-                                            ("32b", 32.76), ("72b", 72.71)])
+                                            ("32b", 32.76), ("72b", 72.71), ("30b-a3b", 30.53), ("57b-a14b", 57.41)])
 def test_shapes_have_the_published_parameter_counts(name, billions):
     assert SHAPES[name].parameters() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+@pytest.mark.parametrize("name, active", [("30b-a3b", 3.35), ("57b-a14b", 14.25), ("7b", 7.62)])
+def test_a_mixture_reads_its_active_parameters_a_token(name, active):
+    assert SHAPES[name].active_parameters() / 1e9 == pytest.approx(active, abs=0.01)
+
+
+def test_a_one_layer_mixture_loads_and_runs(tmp_path):
+    """Qwen3-30B-A3B's widths (128 experts of 768, q/k norms, head_dim 128) as transformers names them."""
+    tokenizer = make_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "r30"
+    r = CliRunner().invoke(main, ["write", "30b-a3b", str(out), "--layers", "1", "--tokenizer-from", str(tokenizer)])
+    assert r.exit_code == 0, r.output
+    model = load_model(out, dtype="bfloat16")
+    assert sum(p.numel() for p in model.parameters()) == SHAPES["30b-a3b"].parameters(1)
+    assert len(model.model.layers[0].mlp.experts) == 128
+    logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits.shape == (1, 3, 151936) and torch.isfinite(logits).all()
 
 
 def test_a_one_layer_0_5b_checkpoint_loads_and_runs(tmp_path):

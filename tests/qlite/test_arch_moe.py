@@ -139,3 +139,104 @@ BASE = dict(TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, 
 def test_bad_expert_fields_are_refused_by_name(overrides, needle):
     with pytest.raises(QliteError, match=needle):
         ModelConfig.from_dict({k: v for k, v in {**BASE, **overrides}.items() if v is not None})
+
+
+@pytest.fixture(scope="module")
+def default_file(tmp_path_factory):
+    """Qwen3-MoE at the native kernels' widths, quantized with the default preset, loaded as `qlite` runs it."""
+    from qlite.cli import main
+    src = make_checkpoint(tmp_path_factory.mktemp("moe-q4") / "src", model_type="qwen3_moe", **MOE["qwen3_moe"])
+    assert main(["quantize", str(src), "--out", str(src.parent / "q4"), "--no-report"]) == 0
+    return src.parent / "q4"
+
+
+def test_an_expert_is_read_when_first_chosen(default_file):
+    """Loading makes no expert's buffers (tiled codes) and pages none of them in; a step makes its k chosen
+    experts' and no other's."""
+    from qlite.loader import load_model
+    model = load_model(default_file)
+    mlp = model.model.layers[0].mlp
+    kernels = [e.gate_up_proj.kernel for e in mlp.experts]
+    if not all(getattr(k, "deferrable", False) for k in kernels):
+        pytest.skip("no native kernels here")
+    assert all(k._product is None for k in kernels)
+    with torch.no_grad():
+        model(torch.tensor([[5]]), cache=model.new_cache(1, 8))
+    built = {e for e, k in enumerate(kernels) if k._product is not None}
+    assert len(built) == MOE["qwen3_moe"]["num_experts_per_tok"]
+
+
+def test_the_native_mix_is_the_module_path_and_row_exact(default_file):
+    """NativeOps' one call a layer gives the bits of the experts' own kernels run one by one (TorchOps' loop
+    over the same products), and each token of a prefill what it gets alone (the products are row-exact)."""
+    from qlite import native
+    from qlite.decoder.ops import TorchOps
+    from qlite.loader import load_model
+    if not native.vnni_ready():
+        pytest.skip("no integer-activation kernels here")
+    model = load_model(default_file)
+    mlp = model.model.layers[1].mlp
+    x = torch.randn(1, 24, MOE["qwen3_moe"]["hidden_size"], generator=torch.Generator().manual_seed(3)).bfloat16()
+    native_ops = mlp.ops
+    with torch.no_grad():
+        ours = mlp(x)
+        mlp.ops = TorchOps
+        loop = mlp(x)
+        mlp.ops = native_ops
+        alone = torch.cat([mlp(x[:, t:t + 1]) for t in range(24)], dim=1)
+    assert native_ops is not TorchOps and torch.equal(ours, loop) and torch.equal(ours, alone)
+
+
+def test_a_prefill_is_bitwise_its_one_token_steps(default_file):
+    """Routers and experts row-exact (the router's bf16 product at every row count, the experts' integer
+    products): a prompt's logits do not depend on how it is cut, so the prompt cache stays on."""
+    from qlite.backends import exact_prefill
+    from qlite.loader import load_model
+    model = load_model(default_file)
+    if not exact_prefill(model):
+        pytest.skip("no integer-activation kernels here")
+    ids = torch.randint(0, 260, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(ids, cache=model.new_cache(1, 32))
+        cache = model.new_cache(1, 32)
+        steps = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(20)], dim=1)
+    assert torch.equal(whole, steps)
+
+
+def token_bytes(tok, ids) -> bytes:
+    """The bytes byte-level BPE tokens stand for (GPT-2's printable mapping undone)."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    codes = printable + [256 + i for i in range(256 - len(printable))]
+    order = printable + [b for b in range(256) if b not in printable]
+    back = {chr(c): b for b, c in zip(order, codes)}
+    return b"".join(bytes(back[ch] for ch in tok.id_to_token(i)) for i in ids)
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen2_moe", {"mlp_only_layers": []}), ("qwen3_moe", {})])
+def test_llama_cpp_runs_the_int8_gguf_to_transformers_greedy_tokens(model_type, extra, tmp_path):
+    """llama.cpp's own llama-simple (greedy) on the int8 export writes transformers' 12 tokens. Runs where
+    QLITE_LLAMA_CPP_BIN names a llama.cpp build's bin directory (BENCHMARKS.md says how it was built)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from qlite.cli import main
+    from tiny_models import hf_model
+    bin_dir = Path(os.environ.get("QLITE_LLAMA_CPP_BIN", "/nonexistent"))
+    if not (bin_dir / "llama-simple").exists():
+        pytest.skip("QLITE_LLAMA_CPP_BIN does not name a llama.cpp bin directory with llama-simple")
+    src = make_checkpoint(tmp_path / "src", seed=5, model_type=model_type, **{**MOE[model_type], **extra, "vocab_size": 266})
+    assert main(["quantize", str(src), "--bits", "8", "--out", str(tmp_path / "int8"), "--no-report"]) == 0
+    assert main(["export", str(tmp_path / "int8"), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    tok, prompt, n = Tokenizer.from_file(str(src / "tokenizer.json")), "the thin tin in the hen", 12
+    ids = torch.tensor([tok.encode(prompt).ids])
+    ref = hf_model(src)
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, ref(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+    r = subprocess.run([str(bin_dir / "llama-simple"), "-m", str(tmp_path / "m.gguf"), "-n", str(n), prompt],
+                       capture_output=True, env={"LD_LIBRARY_PATH": str(bin_dir)}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip(b"\n") == prompt.encode() + token_bytes(tok, ids[0, -n:].tolist())

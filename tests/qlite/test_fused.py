@@ -1,6 +1,6 @@
 """The one-call decode step (fused.py) against the module path it replaces: the same logits, bit for bit,
-for every kind of product, split projections, batches with left padding, quantized KV caches, both
-instruction sets."""
+for every kind of product, split projections, per-head q/k norms, mixtures of experts, batches with left
+padding, quantized KV caches, both instruction sets."""
 import pytest
 import torch
 
@@ -14,7 +14,7 @@ from qlite.loader import load_model
 from qlite.decoder.linear import SplitLinear
 from qlite.decoder.ops import Step
 from qlite.qconfig import QuantConfig
-from tiny_models import NATIVE_WIDTHS, make_checkpoint
+from tiny_models import MOE, NATIVE_WIDTHS, make_checkpoint
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 
@@ -37,6 +37,13 @@ def ckpts(tmp_path_factory):
              ("model.layers.1.self_attn.o_proj", format_named("int4k-g128")))
     qconfig = QuantConfig(format_named("int4-g64"), format_named("int8"), embeddings=None, module_formats=mixed)
     out["mix"] = convert(src, src.parent / "mix", qconfig, progress=False, report=False).out_dir
+    # mixtures of experts: Qwen3-MoE (per-head q/k norms) in int4, Qwen2-MoE (shared expert, a dense layer) 16-bit and int8
+    moe3 = make_checkpoint(tmp_path_factory.mktemp("fused") / "moe3", model_type="qwen3_moe", **MOE["qwen3_moe"])
+    out["moe3-int4"] = convert(moe3, moe3.parent / "moe3-int4", bits=4, group_size=64, progress=False,
+                               report=False).out_dir
+    out["moe2-bf16"] = make_checkpoint(tmp_path_factory.mktemp("fused") / "moe2", model_type="qwen2_moe", **MOE["qwen2_moe"])
+    out["moe2-int8"] = convert(out["moe2-bf16"], out["moe2-bf16"].parent / "moe2-int8", bits=8, progress=False,
+                               report=False).out_dir
     return out
 
 
@@ -60,7 +67,7 @@ def decode_logits(model, prompts, steps=6):
 
 
 @pytest.mark.parametrize("kernel", ["native", "native-a16"])
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128", "mix"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128", "mix", "moe3-int4", "moe2-bf16", "moe2-int8"])
 @pytest.mark.parametrize("prompts", [[list(range(3, 20))], [list(range(3, 20)), [7, 8, 9], list(range(40, 52))]],
                          ids=["one", "padded-batch"])
 def test_the_fused_step_is_the_module_path_bit_for_bit(ckpts, kind, kernel, prompts, monkeypatch):
