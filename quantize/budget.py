@@ -95,8 +95,13 @@ class Mixer:
         held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
         self.fixed = sum(info.nbytes for name, info in src.tensors.items() if name not in held)  # norms, biases
         self.costs = {u: [0.0] * len(o) for u, o in self.options.items()}  # until measured
-        # decode seconds of each option: weights read per token x decode_ps (a lookup reads one row: 0)
-        weights = {u.name: 0 if u.name == EMBEDDINGS else sum(math.prod(i.shape) for i in unit_infos(src, u))
+        # decode seconds of each option: weights read per token x decode_ps (a lookup reads one row: 0; a
+        # mixture's expert is read by the share of tokens that choose it, k of its layer's experts: uniform
+        # routing, which a router trained with a load-balancing loss aims at)
+        e = self.cfg.experts
+        share = 1.0 if e is None else e.per_token / e.count
+        weights = {u.name: 0 if u.name == EMBEDDINGS else
+                   sum(math.prod(i.shape) for i in unit_infos(src, u)) * (share if ".mlp.experts." in u.name else 1.0)
                    for u in self.units}
         self.seconds = {u: [1e-12 * weights[u] * decode_ps(f) for f, _ in o]
                         for u, o in self.options.items()}

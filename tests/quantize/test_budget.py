@@ -170,3 +170,16 @@ def test_no_slower_than_writes_a_mix_within_both_budgets(untied, tmp_path, capsy
         assert main(["quantize", str(untied), "--out", str(tmp_path / "q"), *flags]) != 0
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "q").exists()
+
+
+def test_an_expert_costs_decode_time_by_the_share_of_tokens_that_read_it(tmp_path):
+    """A token reads k of a sparse layer's experts: an expert's weights count k / experts of theirs in the
+    decode-time estimate (counted whole, int8 attention looked as cheap as int8 experts and the q4 preset
+    put every attention projection of Qwen3-30B-A3B's shape in int8, reading 1.3x a layer's int4 bytes)."""
+    from tiny_models import MOE
+    src = CheckpointDir(make_checkpoint(tmp_path / "moe", model_type="qwen3_moe", **MOE["qwen3_moe"]))
+    mixer = Mixer(src, ())
+    share = MOE["qwen3_moe"]["num_experts_per_tok"] / MOE["qwen3_moe"]["num_experts"]
+    expert, attn = "model.layers.0.mlp.experts.0.down_proj", "model.layers.0.self_attn.o_proj"
+    per_weight = lambda u: mixer.seconds[u][0] / math.prod(src.tensors[f"{mixer.modules[u][0]}.weight"].shape)  # noqa: E731
+    assert per_weight(expert) == pytest.approx(share * per_weight(attn))
