@@ -1,17 +1,23 @@
 """Does the model still write working code? Greedy chat completions of the code tasks
 (code_tasks.py), the code taken from each answer and run against the task's hidden tests in the
-sandbox (sandbox.py). Per model: pass rate with its standard error, and the paired difference to
-the baseline (the same tasks, passed by one and not the other)."""
+sandbox (sandbox.py), several at once. Per model: pass rate with its standard error, the paired
+difference to the baseline (the same tasks, passed by one and not the other), and the KLD on the
+baseline's own answers: each model reads the baseline's prompt + answer tokens and is compared with
+the baseline token by token there, where generation actually goes (text KLD measures elsewhere)."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from qlite.errors import QliteError
-from qlite.decode import generate_tokens
+from qlite.fidelity import Fidelity, token_stats
 from qlite.generate import SamplingParams
 
 from .code_tasks import Task
@@ -54,6 +60,7 @@ class CodeRow:
     results: list[TaskResult]
     seconds: float
     paired: dict = field(default_factory=dict)  # against the baseline: wins, losses, diff, diff_err
+    answer_fidelity: dict = field(default_factory=dict)  # Fidelity.summary() on the baseline's answers
 
     @property
     def passed(self) -> int:
@@ -75,7 +82,7 @@ class CodeRow:
     def summary(self) -> dict:
         return {"model": self.model, "tasks": len(self.results), "passed": self.passed,
                 "pass_rate": self.pass_rate, "pass_rate_err": self.pass_rate_err, "tokens": self.tokens,
-                "seconds": self.seconds, **self.paired,
+                "seconds": self.seconds, **self.paired, "answer_fidelity": self.answer_fidelity,
                 "results": [vars(r) for r in self.results]}
 
 
@@ -90,69 +97,158 @@ def paired_difference(model: CodeRow, base: CodeRow) -> dict:
     return {"wins": wins, "losses": losses, "diff": (wins - losses) / n, "diff_err": err}
 
 
-def complete(lm, tasks: list[Task], max_new_tokens: int, batch_size: int) -> list[tuple[str, int]]:
-    """Greedy answers (text, tokens generated) of a TextModel to the tasks, prompts of similar
-    length decoded together in left-padded batches."""
-    prompts = [lm.prompt_ids(task_message(t), chat=True) for t in tasks]
-    order = sorted(range(len(tasks)), key=lambda i: len(prompts[i]))
+def task_prompts(lm, tasks: list[Task]) -> list[list[int]]:
+    return [lm.prompt_ids(task_message(t), chat=True) for t in tasks]
+
+
+def complete(lm, tasks: list[Task], max_new_tokens: int, batch_size: int, progress: bool = False,
+             answer_ids: list | None = None) -> list[tuple[str, int]]:
+    """Greedy answers (text, tokens generated) of a TextModel to the tasks, decoded `batch_size` at a time
+    by the serving engine's continuous batching (a finished answer's row goes to the next task at once;
+    each row's tokens are the prompt's alone, engine.py); each answer's token ids go into answer_ids."""
+    import threading
+
+    from tqdm import tqdm
+
+    from qlite.decode import Done, Failed, Shaping, Text, Token
+    from qlite.engine import Engine, Job
+
+    prompts = task_prompts(lm, tasks)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    eos, pad = set(lm.eos_ids), lm.tokenizer.pad_token_id or 0
-    answers: list[tuple[str, int]] = [("", 0)] * len(tasks)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        tokens: list[list[int]] = [[] for _ in batch]
-        ended = [False] * len(batch)
-        for step in generate_tokens(lm.model, [prompts[i] for i in batch], params, lm.eos_ids, pad_id=pad):
-            for row, t in enumerate(step.tolist()):
-                if not ended[row]:
-                    ended[row] = t in eos
-                    if not ended[row]:
-                        tokens[row].append(t)
-        for row, i in enumerate(batch):
-            answers[i] = (lm.tokenizer.decode(tokens[row], skip_special_tokens=True), len(tokens[row]))
-    return answers
+    ctx = min(max(map(len, prompts)) + max_new_tokens, lm.model.config.context_length)
+    engine = Engine(lm, max_batch=batch_size, ctx=ctx, max_queue=len(tasks), prompt_cache_bytes=0)
+    texts, ids = [[] for _ in tasks], [[] for _ in tasks]
+    failed, left = [], threading.Semaphore(0)
+    bar = tqdm(total=len(tasks), desc="answers", unit="task", disable=not progress, leave=False)
+
+    def emit(i, event):
+        if isinstance(event, Text):
+            texts[i].append(event.text)
+        elif isinstance(event, Token):
+            ids[i].append(event.id)
+        elif isinstance(event, (Done, Failed)):
+            if isinstance(event, Failed):
+                failed.append(f"{tasks[i].name}: {event.message}")
+            bar.update()
+            left.release()
+
+    for i in sorted(range(len(tasks)), key=lambda i: len(prompts[i])):  # similar lengths prefill together
+        engine.submit(Job(prepare=lambda i=i: prompts[i], params=params, emit=lambda e, i=i: emit(i, e),
+                          max_tokens=max_new_tokens, shaping=Shaping(logprobs=0)))
+    engine.start()
+    try:
+        for _ in tasks:
+            left.acquire()
+    finally:
+        engine.stop()
+        bar.close()
+    if failed:
+        raise QliteError(f"code tasks: generation failed: {failed[0]}")
+    eos = set(lm.eos_ids)
+    if answer_ids is not None:
+        answer_ids[:] = [[t for t in row if t not in eos] for row in ids]
+    return [("".join(t), sum(tok not in eos for tok in row)) for t, row in zip(texts, ids)]
 
 
-def score(tasks: list[Task], answers: list[tuple[str, int]], limits: Limits) -> list[TaskResult]:
-    results = []
-    for task, (text, n) in zip(tasks, answers):
-        run = run_python(extract_code(text, task.entry) + "\n\n" + task.tests, limits)
-        results.append(TaskResult(task.name, run.passed, run.reason, n, text))
-    return results
+def score(tasks: list[Task], answers: list[tuple[str, int]], limits: Limits, workers: int | None = None,
+          progress: bool = False) -> list[TaskResult]:
+    """Each answer's code against its task's tests, `workers` sandboxes at a time (default: one per core)."""
+    from tqdm import tqdm
+
+    def run(pair):
+        task, (text, n) = pair
+        result = run_python(extract_code(text, task.entry) + "\n\n" + task.tests, limits)
+        return TaskResult(task.name, result.passed, result.reason, n, text)
+
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        return list(tqdm(pool.map(run, zip(tasks, answers)), total=len(tasks), desc="sandbox", unit="task",
+                         disable=not progress, leave=False))
+
+
+@torch.inference_mode()
+def answer_fidelity(models: dict, base, sequences: list[tuple[list[int], list[int]]]) -> dict[str, dict]:
+    """Per model (name -> CausalLM): Fidelity against the baseline on the baseline's own answers, each
+    (prompt ids, answer ids) read in one pass by the baseline (once) and by every model, compared on
+    the answer's tokens."""
+    fidelity = {name: Fidelity() for name in models}
+    for prompt, answer in sequences:
+        if not answer:
+            continue
+        ids = torch.tensor([prompt + answer])  # (1, T)
+        scored = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the answer's tokens
+        base_logp = torch.log_softmax(base(ids)[0, scored].float(), dim=-1)  # (answer, V)
+        for name, model in models.items():
+            fidelity[name].add(token_stats(base_logp, model(ids)[0, scored], ids[0, len(prompt):]))
+    return {name: f.summary() if f.parts else {} for name, f in fidelity.items()}
+
+
+def evenly(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n) (all of them when k >= n)."""
+    return list(range(n)) if k >= n else [i * n // k for i in range(k)]
+
+
+def answer_tasks(model_dir: Path, tasks: list[Task], dtype: str = "auto", max_new_tokens: int = 512,
+                 batch_size: int = 8, limits: Limits = Limits(), progress: bool = True) -> tuple[CodeRow, list]:
+    """One model's row (answers scored in the sandbox) and its (prompt ids, answer ids) per task."""
+    from qlite.pipeline import load
+
+    lm = load(model_dir, dtype=dtype)
+    if lm.tokenizer.chat_template is None:
+        raise QliteError(f"{model_dir}: has no chat template; the code tasks are asked as chat messages")
+    t0 = time.perf_counter()
+    ids = [[] for _ in tasks]
+    answers = complete(lm, tasks, max_new_tokens, batch_size, progress, ids)
+    row = CodeRow(Path(model_dir).name, score(tasks, answers, limits, progress=progress), time.perf_counter() - t0)
+    return row, list(zip(task_prompts(lm, tasks), ids))
+
+
+def compare_rows(rows: list[CodeRow], dirs: list[Path], base_sequences: list, dtype: str = "auto",
+                 fidelity_tasks: int = 64) -> None:
+    """Fill every row but the first (the baseline's) with its paired difference, and, where it has none
+    yet, its fidelity on the baseline's answers to `fidelity_tasks` tasks spread evenly (0: none), read
+    with the baseline and those models loaded together."""
+    from qlite.loader import load_model
+
+    for row in rows[1:]:
+        row.paired = paired_difference(row, rows[0])
+    todo = [(row, d) for row, d in zip(rows[1:], dirs[1:]) if not row.answer_fidelity]
+    if fidelity_tasks and todo:
+        chosen = [base_sequences[i] for i in evenly(len(base_sequences), fidelity_tasks)]
+        models = {row.model: load_model(d, dtype=dtype) for row, d in todo}
+        for (row, _), summary in zip(todo, answer_fidelity(models, load_model(dirs[0], dtype=dtype), chosen).values()):
+            row.answer_fidelity = summary
 
 
 def evaluate_code(model_dirs, baseline, tasks: list[Task], dtype: str = "auto", max_new_tokens: int = 512,
-                  batch_size: int = 8, limits: Limits = Limits(), progress: bool = True) -> list[CodeRow]:
-    """The baseline first, then each model; every row but the baseline's carries its paired difference."""
+                  batch_size: int = 8, limits: Limits = Limits(), progress: bool = True,
+                  fidelity_tasks: int = 64) -> list[CodeRow]:
+    """The baseline first, then each model, one loaded at a time (answer_tasks), then compare_rows."""
     from tqdm import tqdm
 
-    from qlite.pipeline import load
-
-    rows = []
-    for d in tqdm([Path(baseline), *map(Path, model_dirs)], desc="code tasks", unit="model", disable=not progress):
-        lm = load(d, dtype=dtype)
-        if lm.tokenizer.chat_template is None:
-            raise QliteError(f"{d}: has no chat template; the code tasks are asked as chat messages")
-        t0 = time.perf_counter()
-        answers = complete(lm, tasks, max_new_tokens, batch_size)
-        seconds = time.perf_counter() - t0
-        del lm
-        rows.append(CodeRow(d.name, score(tasks, answers, limits), seconds))
-    for row in rows[1:]:
-        row.paired = paired_difference(row, rows[0])
+    dirs = [Path(baseline), *map(Path, model_dirs)]
+    rows, base_sequences = [], None
+    for d in tqdm(dirs, desc="code tasks", unit="model", disable=not progress):
+        row, sequences = answer_tasks(d, tasks, dtype, max_new_tokens, batch_size, limits, progress)
+        rows.append(row)
+        base_sequences = base_sequences or sequences
+    compare_rows(rows, dirs, base_sequences, dtype, fidelity_tasks)
     return rows
 
 
 def code_table(rows: list[CodeRow]) -> str:
-    head = "| model | tasks | passed | pass rate | vs baseline: +won / -lost | difference | tokens | time |"
+    head = ("| model | tasks | passed | pass rate | vs baseline: +won / -lost | difference | KLD on the baseline's "
+            "answers | top-1 there | tokens | time |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(rows):
         vs = (f"+{r.paired['wins']} / -{r.paired['losses']} | {100 * r.paired['diff']:+.1f} ± "
               f"{100 * r.paired['diff_err']:.1f} pp") if r.paired else "(baseline) | "
+        f = r.answer_fidelity
+        vs += (f" | {f['kld_mean']:.4f} ± {f['kld_mean_err']:.4f} | {100 * f['top1']:.2f}%" if f else " | | ")
         lines.append(f"| {r.model} | {len(r.results)} | {r.passed} | {100 * r.pass_rate:.1f}% ± "
                      f"{100 * r.pass_rate_err:.1f} | {vs} | {r.tokens} | {r.seconds:.0f} s |")
     lines.append("")
     lines.append("Greedy chat answers; the code of each answer runs against the task's hidden tests in a sandbox "
                  "(time, memory and output limits, no network). ± is one standard error; the difference is "
-                 "paired (the same tasks).")
+                 "paired (the same tasks). KLD on the baseline's answers: KL(baseline || model) per token, in nats, "
+                 "with both reading the baseline's prompt and greedy answer, on the answer's tokens.")
     return "\n".join(lines)

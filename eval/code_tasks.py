@@ -31,7 +31,11 @@ class Task:
 
 
 def load_tasks(source: str | Path) -> list[Task]:
-    """`builtin`, or a JSON Lines file of tasks (name, entry, prompt, tests; optional solution, prose)."""
+    """`builtin`, `suite` (task_sources.py: ~300 tasks built from PyPI sdists on first use), or a JSON
+    Lines file of tasks (name, entry, prompt, tests; optional solution, prose)."""
+    if source == "suite":
+        from .task_sources import load_suite
+        return load_suite()
     path = BUILTIN_FILE if source == "builtin" else Path(source).expanduser()
     try:
         lines = read_text(path, limit=MAX_TASKS_BYTES).splitlines()

@@ -392,7 +392,8 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
               help="rtn: round to nearest on min-max grids; act-rtn: round to nearest on activation-aware grids (each "
               "int4 group's scale and zero point with the least output error on calibration text); gptq: GPTQ on "
               "those grids. act-rtn and gptq are calibrated one decoder layer at a time (minutes)")
-@click.option("--calib-data", default="builtin", show_default=True, help="act-rtn, GPTQ: builtin (code + prose) or a text file")
+@click.option("--calib-data", default="builtin", show_default=True, help="act-rtn, GPTQ: builtin (code + prose), chat (coding conversations in "
+              "the model's chat template) or a text file")
 @click.option("--nsamples", type=at_least(1), default=128, show_default=True, help="act-rtn, GPTQ: calibration windows")
 @click.option("--seqlen", type=at_least(2), default=512, show_default=True, help="act-rtn, GPTQ: tokens per window")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal (static groups)")
@@ -507,7 +508,8 @@ def check_writable(path: Path | None, flag: str, inputs=()) -> None:
               help="code, prose (built in, offline) or a text file; repeatable; none: no perplexity/KLD")
 @click.option("--ctx", type=at_least(2), help="tokens per chunk (default: 512, or the baseline's context if shorter)")
 @click.option("--max-chunks", type=at_least(1), help="at most this many chunks per data source")
-@click.option("--tasks", help="also run code tasks: builtin (69 Python tasks) or a JSON Lines file")
+@click.option("--tasks", help="also run code tasks: builtin (69 Python tasks), suite (~300 tasks built from "
+                                  "PyPI sdists, cached) or a JSON Lines file")
 @click.option("--max-tasks", type=at_least(1), help="the first N tasks only")
 @click.option("--max-new-tokens", type=at_least(1), default=512, show_default=True, help="per code-task answer")
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True, help="dtype of the evaluated models")
@@ -528,7 +530,7 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     from eval.run import evaluate, how_run, in_blocks, write_reports
 
     inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")),
-              *([tasks] if tasks and tasks != "builtin" else [])]
+              *([tasks] if tasks and tasks not in ("builtin", "suite") else [])]
     check_writable(json_path, "--json", inputs)
     check_writable(md_path, "--markdown", inputs)
     if json_path is not None and md_path is not None and json_path.resolve() == md_path.resolve():

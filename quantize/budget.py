@@ -138,9 +138,11 @@ class Mixer:
     def largest_bytes(self) -> int:
         return sum(max(b for b, _ in o) for o in self.table()[1])
 
-    def measure(self, windows: int, seqlen: int, samples: int, progress: bool, report: bool = True) -> Reference | None:
-        """The sensitivities; and with `report`, the report's reference from the same forward pass."""
-        ids = calibration_windows(self.src, windows, seqlen)
+    def measure(self, windows: int, seqlen: int, samples: int, progress: bool, report: bool = True,
+                data: str = "builtin") -> Reference | None:
+        """The sensitivities on `data` windows (calibration_windows); and with `report`, the report's
+        reference from the same forward pass."""
+        ids = calibration_windows(self.src, windows, seqlen, data)
         candidates = {u: [f for f, _ in o if f is not None] for u, o in self.options.items()}
         ref = reference(self.src) if report else None
         measured = sensitivities(self.src, candidates, ids, samples, progress=progress,
@@ -246,8 +248,8 @@ def positive(value, flag: str, what: str) -> None:
 
 def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw: float | None = None,
                    skip: tuple[str, ...] = (), windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES,
-                   force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True, report: bool = True,
-                   method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None,
+                   data: str = "builtin", force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
+                   report: bool = True, method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None,
                    rate: float | None = None, preset: str | None = None) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
     module docstring), or, given `rate` instead, within that many bits per quantizable weight
@@ -260,7 +262,7 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     else:
         positive(target_bpw, "--target-bpw", "number of bits per parameter")
     t0 = time.perf_counter()
-    settings = {"sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
+    settings = {"sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples, "data": data}}
     settings.update({"preset": preset, "rate": rate} if rate is not None else {"target_bpw": target_bpw})
     if no_slower_than:
         settings["no_slower_than"] = no_slower_than
@@ -285,7 +287,7 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     if max_seconds is not None and mixer.mix(budget, max_seconds) is None:
         raise QliteError(f"--no-slower-than {no_slower_than}: no mix within --target-bpw {target_bpw:g} decodes as fast "
                          f"(estimated)")
-    ref = mixer.measure(windows, seqlen, samples, progress, report)
+    ref = mixer.measure(windows, seqlen, samples, progress, report, data)
     formats, predicted = mixer.mix(budget, max_seconds)
     recorded = {**settings, "predicted_kld": round(predicted, 6)}
     if max_seconds is not None:

@@ -61,14 +61,31 @@ def check_calibration_memory(nsamples: int, seqlen: int, hidden: int) -> None:
                          f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB this machine has available")
 
 
+def chat_text(tokenizer: Tokenizer) -> str:
+    """Coding conversations in the checkpoint's own chat template: each of qlite's built-in code tasks
+    (eval/code_tasks.jsonl) asked as `qlite eval --tasks` asks it, answered with the task's reference
+    code in a fenced block; what a chat model reads when it writes code, rather than plain text."""
+    from eval.code_eval import task_message
+    from eval.code_tasks import TASKS
+
+    if tokenizer.chat_template is None:
+        raise QliteError("--calib-data chat: the checkpoint has no chat template to render conversations with")
+    return "".join(tokenizer.apply_chat_template(
+        [{"role": "user", "content": task_message(t)},
+         {"role": "assistant", "content": f"```python\n{t.reference.strip()}\n```"}], add_generation_prompt=False)
+        for t in TASKS)
+
+
 def calibration_ids(tokenizer: Tokenizer, source: str, nsamples: int, seqlen: int, hidden: int) -> torch.Tensor:
-    """(nsamples, seqlen) token ids: built-in half code, half prose; or windows of a text file.
-    hidden: the model's width, for check_calibration_memory."""
+    """(nsamples, seqlen) token ids: built-in half code, half prose; `chat`, coding conversations
+    (chat_text); or windows of a text file. hidden: the model's width, for check_calibration_memory."""
     check_calibration_memory(nsamples, seqlen, hidden)
     if source == "builtin":
         code, prose = calibration_texts()
         rows = windows(tokenizer.encode(code), nsamples - nsamples // 2, seqlen)
         rows += windows(tokenizer.encode(prose), nsamples // 2, seqlen)
+    elif source == "chat":
+        rows = windows(tokenizer.encode(chat_text(tokenizer)), nsamples, seqlen)
     else:
         rows = windows(tokenizer.encode(load_text(source, flag="--calib-data")), nsamples, seqlen)
     return torch.tensor(rows)

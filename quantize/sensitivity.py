@@ -203,9 +203,10 @@ def head_pass(x: torch.Tensor, head: torch.Tensor, fmts: list[Format], samples: 
     return klds.tolist(), [head[label[s]].float() - expected for s in range(samples)]
 
 
-def calibration_windows(src: CheckpointDir, windows: int = WINDOWS, seqlen: int = SEQLEN) -> torch.Tensor:
-    """(windows, seqlen) ids of the built-in calibration text (half code, half prose), as GPTQ reads it."""
+def calibration_windows(src: CheckpointDir, windows: int = WINDOWS, seqlen: int = SEQLEN, data: str = "builtin"
+                        ) -> torch.Tensor:
+    """(windows, seqlen) ids of calibration text as GPTQ reads it: built-in (half code, half prose) or chat."""
     from .calibrate import calibration_ids
 
-    return calibration_ids(Tokenizer(src.path), "builtin", windows, min(seqlen, src.config.max_position_embeddings),
+    return calibration_ids(Tokenizer(src.path), data, windows, min(seqlen, src.config.max_position_embeddings),
                            src.config.hidden_size)

@@ -97,3 +97,29 @@ def test_task_files_round_trip_and_bad_files_are_named(tmp_path):
         load_tasks(str(tmp_path / "bad.jsonl"))
     with pytest.raises(QliteError, match="--tasks .*missing.jsonl: not found"):
         load_tasks(str(tmp_path / "missing.jsonl"))
+
+
+def test_answer_fidelity_compares_the_models_on_the_answer_tokens_only(tmp_path):
+    import torch
+
+    from eval.code_eval import answer_fidelity
+    from qlite.loader import load_model
+    from tiny_models import make_checkpoint
+
+    base = load_model(make_checkpoint(tmp_path / "base", seed=3), dtype="float32")
+    other = load_model(make_checkpoint(tmp_path / "other", seed=4), dtype="float32")
+    sequences = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10]), ([1], [])]  # (prompt, answer); an empty answer adds nothing
+    same, fid = answer_fidelity({"base": base, "other": other}, base, sequences).values()
+    assert same["tokens"] == 5 and same["kld_mean"] == pytest.approx(0, abs=1e-6) and same["top1"] == 1.0
+    kld = []
+    for prompt, answer in sequences[:2]:  # by hand: the positions after each prompt token but the answer's last
+        ids = torch.tensor([prompt + answer])
+        p = torch.log_softmax(base(ids)[0].float(), -1)[len(prompt) - 1:-1]
+        q = torch.log_softmax(other(ids)[0].float(), -1)[len(prompt) - 1:-1]
+        kld += (p.exp() * (p - q)).sum(-1).tolist()
+    assert fid["kld_mean"] == pytest.approx(sum(kld) / len(kld), rel=1e-5)
+
+
+def test_evenly_spreads_the_chosen_tasks():
+    from eval.code_eval import evenly
+    assert evenly(10, 4) == [0, 2, 5, 7] and evenly(3, 8) == [0, 1, 2] and evenly(5, 0) == []

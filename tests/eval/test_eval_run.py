@@ -69,6 +69,9 @@ def test_cli_runs_code_tasks_beside_or_without_the_fidelity_table(capsys, tmp_pa
     results = report["code_tasks"][1]["results"]
     assert [r["name"] for r in results] == ["reverse_words", "is_palindrome_phrase", "run_length_encode"]
     assert all(not r["passed"] and 1 <= r["tokens"] <= 8 for r in results)  # a random model writes no code
+    base_row, int4_row = report["code_tasks"]
+    assert base_row["answer_fidelity"] == {}  # int4 read the baseline's answers: its tokens, all of them
+    assert int4_row["answer_fidelity"]["tokens"] == base_row["tokens"] and int4_row["answer_fidelity"]["kld_mean"] > 0
     assert main(["eval", str(quant), "--baseline", str(base), "--data", "none"]) != 0
     assert "--data none: nothing to evaluate" in capsys.readouterr().err
 

@@ -38,7 +38,7 @@ def test_budgets_are_never_exceeded_and_more_budget_buys_fidelity(src, tmp_path)
         assert s.bits_per_parameter > 0.9 * bpw or bpw == 40.0  # the budget is used, not left idle
         q = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
         assert q["format_version"] == 3 and q["target_bpw"] == bpw and len(q["module_formats"]) == 14
-        assert q["sensitivity"] == {"windows": 4, "seqlen": 64, "samples": 2}
+        assert q["sensitivity"] == {"windows": 4, "seqlen": 64, "samples": 2, "data": "builtin"}
         predicted.append(q["predicted_kld"])
     assert predicted == sorted(predicted, reverse=True) and predicted[0] > 10 * predicted[-2]
     assert predicted[-1] == 0 and s.bits_per_parameter == 32  # room for all: the float32 source's tensors as they are

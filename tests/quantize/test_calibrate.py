@@ -122,3 +122,22 @@ def test_an_expert_routed_few_tokens_is_calibrated_on_all_of_them():
         assert torch.allclose(hessians[f"mlp.experts.{e}.gate_up_proj"].matrix(), hessian_of(x), rtol=1e-4)
         inner = expert.ops.silu_mul(expert.gate_up_proj(x))
         assert torch.allclose(hessians[f"mlp.experts.{e}.down_proj"].matrix(), hessian_of(inner), rtol=1e-4, atol=1e-3)
+
+
+def test_chat_calibration_is_coding_conversations_in_the_checkpoints_template(setup, tmp_path):
+    from eval.code_tasks import TASKS
+    from quantize.calibrate import chat_text
+
+    base, _ = setup
+    tokenizer = Tokenizer(base)
+    text = chat_text(tokenizer)
+    assert text.count("<|im_start|>user\n") == text.count("<|im_start|>assistant\n") == len(TASKS)
+    assert TASKS[0].prompt in text and TASKS[0].solution.strip() in text  # the question's stub, its reference answer
+    ids = calibration_ids(tokenizer, "chat", 4, 32, 64)
+    stream = tokenizer.encode(text)
+    assert ids.shape == (4, 32) and ids[0].tolist() == stream[:32] and ids[-1].tolist() == stream[-32:]
+    bare = make_checkpoint(tmp_path / "bare", seed=1)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    with pytest.raises(QliteError, match="--calib-data chat: the checkpoint has no chat template"):
+        calibration_ids(Tokenizer(bare), "chat", 4, 32, 64)
