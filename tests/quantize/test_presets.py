@@ -126,3 +126,18 @@ def test_a_checkpoint_the_runtime_refuses_is_never_written(source, tmp_path, cap
     code, _, err = run_cli(capsys, "quantize", source, "--out", tmp_path / "q", "--preset", "fast", "--no-report")
     assert_one_line_error(code, err.splitlines()[-1], f"{tmp_path / 'q'}: not written", "zero point 16")
     assert ".tmp" not in err and not (tmp_path / "q").exists()
+
+
+def test_q4_reads_coding_conversations_where_the_model_has_a_chat_template(quantized, tmp_path):
+    """The default preset's sensitivities come from `chat` windows (coding conversations in the model's
+    template); a source without a template gets the plain built-in text instead of an error."""
+    src, out = quantized
+    if out.name != "q4":
+        pytest.skip("the q4 preset")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["sensitivity"]["data"] == "chat"
+    from quantize.presets import quantize_preset
+    bare = make_checkpoint(tmp_path / "bare", seed=11, **NATIVE_WIDTHS)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    summary = quantize_preset("q4", bare, tmp_path / "bare-q4", report=False, progress=False)
+    assert json.loads((summary.out_dir / "config.json").read_text())["quantization_config"]["sensitivity"]["data"] == "builtin"
