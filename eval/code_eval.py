@@ -19,19 +19,17 @@ import torch
 from qlite.errors import QliteError
 from qlite.fidelity import Fidelity, token_stats
 from qlite.generate import SamplingParams
+from qlite.texts import code_question
 
 from .code_tasks import Task
 from .sandbox import Limits, run_python
 
-INSTRUCTION = ("Reply with the complete code (the whole function or class, with the imports it needs) in "
-               "one ```python code block, without tests or usage examples.")
+
 FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 
 
 def task_message(task: Task) -> str:
-    if task.prose:
-        return f"{task.prompt}\n\n{INSTRUCTION}"
-    return f"Complete the following Python code.\n\n```python\n{task.prompt}\n```\n\n{INSTRUCTION}"
+    return code_question(task.prompt, task.prose)
 
 
 def extract_code(answer: str, entry: str) -> str:
@@ -133,8 +131,9 @@ def complete(lm, tasks: list[Task], max_new_tokens: int, batch_size: int, progre
             left.release()
 
     for i in sorted(range(len(tasks)), key=lambda i: len(prompts[i])):  # similar lengths prefill together
+        room = max(1, min(max_new_tokens, ctx - len(prompts[i])))  # a prompt past the context: the engine says so
         engine.submit(Job(prepare=lambda i=i: prompts[i], params=params, emit=lambda e, i=i: emit(i, e),
-                          max_tokens=max_new_tokens, shaping=Shaping(logprobs=0)))
+                          max_tokens=room, shaping=Shaping(logprobs=0)))
     engine.start()
     try:
         for _ in tasks:

@@ -1,7 +1,8 @@
 """Functional code tasks: a stub (signature and docstring) or a prose instruction, a reference
 solution (used only to check the task itself), and hidden tests (asserts). The built-in ones, written
 for qlite (standard library only; strings, lists, dicts, math, recursion, parsing, classes, edge
-cases, prose), are data: code_tasks.jsonl beside this file, in the --tasks FILE format."""
+cases, prose), are data: qlite/code_tasks.jsonl (there, so that the quantizer's `chat` calibration
+text can read them too), in the --tasks FILE format."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,10 @@ from pathlib import Path
 from qlite.errors import QliteError
 from qlite.fields import field_of
 from qlite.files import read_text
+from qlite.texts import CODE_TASKS_FILE
 
 MAX_TASKS_BYTES = 64 * 2**20  # a --tasks JSON Lines file
-BUILTIN_FILE = Path(__file__).with_name("code_tasks.jsonl")
+BUILTIN_FILE = CODE_TASKS_FILE
 
 
 @dataclass(frozen=True)
@@ -31,11 +33,8 @@ class Task:
 
 
 def load_tasks(source: str | Path) -> list[Task]:
-    """`builtin`, `suite` (task_sources.py: ~300 tasks built from PyPI sdists on first use), or a JSON
-    Lines file of tasks (name, entry, prompt, tests; optional solution, prose)."""
-    if source == "suite":
-        from .task_sources import load_suite
-        return load_suite()
+    """`builtin` or a JSON Lines file of tasks (name, entry, prompt, tests; optional solution, prose);
+    `--tasks suite` is task_sources.tasks_named's."""
     path = BUILTIN_FILE if source == "builtin" else Path(source).expanduser()
     try:
         lines = read_text(path, limit=MAX_TASKS_BYTES).splitlines()

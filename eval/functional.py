@@ -17,7 +17,7 @@ import click
 from qlite.outputs import write_file_atomic
 
 from .code_eval import CodeRow, TaskResult, answer_tasks, code_table, compare_rows
-from .code_tasks import load_tasks
+from .task_sources import tasks_named
 
 
 def key(model_dir: Path, tasks, max_new_tokens: int, dtype: str) -> str:
@@ -27,7 +27,7 @@ def key(model_dir: Path, tasks, max_new_tokens: int, dtype: str) -> str:
 
 def run(baseline: Path, model_dirs: list[Path], tasks_source: str, out: Path, max_new_tokens: int = 512,
         dtype: str = "auto", fidelity_tasks: int = 64, max_tasks: int | None = None) -> list[CodeRow]:
-    tasks = load_tasks(tasks_source)[:max_tasks]
+    tasks = tasks_named(tasks_source)[:max_tasks]
     store = json.loads(out.read_text()) if out.is_file() else {}
     answered = store.setdefault("answered", {})  # key -> {"row": CodeRow summary, "sequences": [[prompt, answer]]}
     kept = store.setdefault("answer_fidelity", {})  # "baseline key|model key|tasks read" -> Fidelity summary

@@ -258,6 +258,11 @@ def suite_path() -> Path:
     return cache_dir() / "tasks" / f"suite-v{SUITE_VERSION}" / "suite.jsonl"
 
 
+def tasks_named(source: str) -> list[Task]:
+    """What `--tasks` names: `suite` (load_suite), `builtin` or a JSON Lines file (load_tasks)."""
+    return load_suite() if source == "suite" else load_tasks(source)
+
+
 def load_suite() -> list[Task]:
     """The suite, built on first use."""
     path = suite_path()

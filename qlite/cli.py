@@ -540,11 +540,11 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
         raise QliteError("--data none: nothing to evaluate without --tasks")
     code_tasks = None
     if tasks:
-        from eval.code_tasks import load_tasks
+        from eval.task_sources import tasks_named
         ggufs = [d for d in model_dirs if d.suffix.lower() == ".gguf"]
         if ggufs:
             raise QliteError(f"--tasks: {ggufs[0]} is a GGUF; code tasks run qlite checkpoints (score GGUFs with --data)")
-        code_tasks = load_tasks(tasks)[:max_tasks]
+        code_tasks = tasks_named(tasks)[:max_tasks]
     kv_caches = tuple(dict.fromkeys(kv_caches))
     if ctx is None:  # a model with a shorter context is scored at its own
         from .config import load_config

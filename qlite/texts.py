@@ -4,11 +4,14 @@ the two sets are disjoint, so no eval text is ever calibrated on.
 Eval:        code   Python standard-library source: the modules in EVAL_CODE_MODULES, concatenated.
              prose  The GNU GPL v3 text that Debian's base-files installs at /usr/share/common-licenses/GPL-3.
 Calibration: half Python standard-library source (CALIB_MODULES), half English prose from the
-             reference text in Python's pydoc_data package.
+             reference text in Python's pydoc_data package; or (`chat`) coding conversations: qlite's
+             built-in code tasks (code_tasks.jsonl, which `qlite eval --tasks builtin` asks) as questions,
+             their reference code as answers.
 Anything else: a path to a UTF-8 text file."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from .errors import QliteError
@@ -20,6 +23,27 @@ CALIB_MODULES = ("inspect", "typing", "dataclasses", "pathlib", "functools", "en
 PROSE_FILE = Path("/usr/share/common-licenses/GPL-3")
 BUILTIN = ("code", "prose")
 MAX_TEXT_BYTES = 2**30  # an eval or calibration text file is read whole (and tokenized): at most 1 GiB
+CODE_TASKS_FILE = Path(__file__).with_name("code_tasks.jsonl")  # the built-in code tasks (eval/code_tasks.py)
+CODE_INSTRUCTION = ("Reply with the complete code (the whole function or class, with the imports it needs) in "
+                    "one ```python code block, without tests or usage examples.")
+
+
+def code_question(prompt: str, prose: bool = False) -> str:
+    """A code task as a chat message: a prose instruction, or a stub to complete."""
+    if prose:
+        return f"{prompt}\n\n{CODE_INSTRUCTION}"
+    return f"Complete the following Python code.\n\n```python\n{prompt}\n```\n\n{CODE_INSTRUCTION}"
+
+
+def coding_conversations() -> list[tuple[str, str]]:
+    """(question, answer) per built-in code task: code_question, and its reference code in a fenced block."""
+    pairs = []
+    for line in CODE_TASKS_FILE.read_text(encoding="utf-8").splitlines():
+        task = json.loads(line)
+        prose = task.get("prose", False)
+        reference = task["solution"] if prose else f"{task['prompt']}\n{task['solution']}"
+        pairs.append((code_question(task["prompt"], prose), f"```python\n{reference.strip()}\n```"))
+    return pairs
 
 
 def module_source(name: str) -> str:

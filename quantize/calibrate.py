@@ -24,7 +24,7 @@ from qlite.decoder.linear import Linear
 from qlite.decoder.mlp import SparseMLP
 from qlite.decoder.names import linear_parts
 from qlite.qconfig import DAMP, QuantConfig
-from qlite.texts import calibration_texts, load_text
+from qlite.texts import calibration_texts, coding_conversations, load_text
 from qlite.tokenizer import Tokenizer
 from quantize.report import can_measure, reference
 from quantize.convert import Summary, plan_conversion, source_and_output, write_quantized
@@ -62,18 +62,14 @@ def check_calibration_memory(nsamples: int, seqlen: int, hidden: int) -> None:
 
 
 def chat_text(tokenizer: Tokenizer) -> str:
-    """Coding conversations in the checkpoint's own chat template: each of qlite's built-in code tasks
-    (eval/code_tasks.jsonl) asked as `qlite eval --tasks` asks it, answered with the task's reference
-    code in a fenced block; what a chat model reads when it writes code, rather than plain text."""
-    from eval.code_eval import task_message
-    from eval.code_tasks import TASKS
-
+    """Coding conversations (qlite/texts.py coding_conversations: the built-in code tasks asked as
+    `qlite eval --tasks` asks them, answered with their reference code) in the checkpoint's own chat
+    template: what a chat model reads when it writes code, rather than plain text."""
     if tokenizer.chat_template is None:
         raise QliteError("--calib-data chat: the checkpoint has no chat template to render conversations with")
-    return "".join(tokenizer.apply_chat_template(
-        [{"role": "user", "content": task_message(t)},
-         {"role": "assistant", "content": f"```python\n{t.reference.strip()}\n```"}], add_generation_prompt=False)
-        for t in TASKS)
+    return "".join(tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                                  {"role": "assistant", "content": answer}], add_generation_prompt=False)
+                   for question, answer in coding_conversations())
 
 
 def calibration_ids(tokenizer: Tokenizer, source: str, nsamples: int, seqlen: int, hidden: int) -> torch.Tensor:

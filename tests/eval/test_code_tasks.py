@@ -123,3 +123,18 @@ def test_answer_fidelity_compares_the_models_on_the_answer_tokens_only(tmp_path)
 def test_evenly_spreads_the_chosen_tasks():
     from eval.code_eval import evenly
     assert evenly(10, 4) == [0, 2, 5, 7] and evenly(3, 8) == [0, 1, 2] and evenly(5, 0) == []
+
+
+def test_an_answer_stops_at_the_models_context(tmp_path):
+    """A prompt near the end of a short context gets the tokens that are left, not an error."""
+    from eval.code_eval import complete, task_prompts
+    from eval.code_tasks import Task
+    from qlite.pipeline import load
+    from tiny_models import make_checkpoint
+
+    lm = load(make_checkpoint(tmp_path / "short", seed=2, max_position_embeddings=256), dtype="float32")
+    task = Task("long", "f", "def f(x):\n    \"\"\"" + "the thin tin " * 2 + "\"\"\"", "assert f(1)")
+    room = 256 - len(task_prompts(lm, [task])[0])
+    assert 0 < room < 64
+    ((text, n),) = complete(lm, [task], max_new_tokens=64, batch_size=2)
+    assert 1 <= n <= room

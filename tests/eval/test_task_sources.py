@@ -151,6 +151,7 @@ def test_the_suite_is_read_from_the_cache_once_built(sdist, tmp_path, monkeypatc
     built = passing(tasks_from_sdist(sdist, SOURCE))
     monkeypatch.setattr(task_sources, "build_suite", lambda out: dump_tasks(built, out) or built)
     task_sources.suite_path().parent.mkdir(parents=True)
-    assert load_tasks("suite") == built
+    assert task_sources.tasks_named("suite") == built
     monkeypatch.setattr(task_sources, "build_suite", lambda out: pytest.fail("rebuilt"))
-    assert load_tasks("suite") == built
+    assert task_sources.tasks_named("suite") == built
+    assert task_sources.tasks_named("builtin") == load_tasks("builtin")
