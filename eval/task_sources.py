@@ -160,7 +160,7 @@ def _test_units(tree: ast.Module) -> list[tuple[ast.FunctionDef, bool]]:
 def package_tests(tests_dir: Path, package: str, functions: dict[str, Function]) -> dict[str, str]:
     """Per function: a test script (imports, then each test that calls that function and no other
     name of the package or the test module), which raises on the first failure."""
-    units: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+    units: dict[str, list[tuple[str, str, bool]]] = defaultdict(list)  # (test name, source, is a method)
     preambles: dict[str, set[str]] = defaultdict(set)
     for path in sorted(tests_dir.rglob("test*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -187,19 +187,18 @@ def package_tests(tests_dir: Path, package: str, functions: dict[str, Function])
             lines = _import_lines(used - {name} - modules, imports)
             if lines is None:
                 continue
-            units[name].append((ast.unparse(test), is_method))
+            units[name].append((test.name, ast.unparse(test), is_method))
             preambles[name] |= set(lines)
     scripts = {}
     for name, tests in units.items():
-        methods = [src for src, is_method in tests if is_method]
-        plain = [src for src, is_method in tests if not is_method]
+        methods = [(test, src) for test, src, is_method in tests if is_method]
+        plain = [(test, src) for test, src, is_method in tests if not is_method]
         lines = sorted(preambles[name])
         if methods:
             lines += ["import unittest", "class _Tests(unittest.TestCase):"]
-            lines += ["\n".join("    " + line for line in src.splitlines()) for src in methods]
-        lines += plain
-        calls = [f"_Tests({m!r}).{m}()" for m in (ast.parse(s).body[0].name for s in methods)]
-        calls += [f"{ast.parse(s).body[0].name}()" for s in plain]
+            lines += ["\n".join("    " + line for line in src.splitlines()) for _, src in methods]
+        lines += [src for _, src in plain]
+        calls = [f"_Tests({test!r}).{test}()" for test, _ in methods] + [f"{test}()" for test, _ in plain]
         scripts[name] = "\n".join(lines + calls) + "\n"
     return scripts
 
