@@ -20,8 +20,10 @@ from qlite.errors import QliteError
 from qlite.fidelity import Fidelity, token_stats
 from qlite.generate import SamplingParams
 from qlite.texts import code_question
+from qlite.tokenizer import Tokenizer
 
 from .code_tasks import Task
+from .gguf_peer import GgufPeer, is_gguf
 from .sandbox import Limits, run_python
 
 
@@ -59,6 +61,7 @@ class CodeRow:
     seconds: float
     paired: dict = field(default_factory=dict)  # against the baseline: wins, losses, diff, diff_err
     answer_fidelity: dict = field(default_factory=dict)  # Fidelity.summary() on the baseline's answers
+    text: dict = field(default_factory=dict)  # size and KLD on the built-in texts (eval.functional)
 
     @property
     def passed(self) -> int:
@@ -80,7 +83,7 @@ class CodeRow:
     def summary(self) -> dict:
         return {"model": self.model, "tasks": len(self.results), "passed": self.passed,
                 "pass_rate": self.pass_rate, "pass_rate_err": self.pass_rate_err, "tokens": self.tokens,
-                "seconds": self.seconds, **self.paired, "answer_fidelity": self.answer_fidelity,
+                "seconds": self.seconds, **self.paired, "answer_fidelity": self.answer_fidelity, "text": self.text,
                 "results": [vars(r) for r in self.results]}
 
 
@@ -109,7 +112,7 @@ def complete(lm, tasks: list[Task], max_new_tokens: int, batch_size: int, progre
     from tqdm import tqdm
 
     from qlite.decode import Done, Failed, Shaping, Text, Token
-    from qlite.engine import Engine, Job
+    from qlite.serve.engine import Engine, Job
 
     prompts = task_prompts(lm, tasks)
     params = SamplingParams(max_new_tokens=max_new_tokens)
@@ -186,19 +189,49 @@ def evenly(n: int, k: int) -> list[int]:
     return list(range(n)) if k >= n else [i * n // k for i in range(k)]
 
 
+def complete_gguf(peer, lm, tasks: list[Task], max_new_tokens: int, ctx: int, progress: bool = False,
+                  answer_ids: list | None = None) -> list[tuple[str, int]]:
+    """complete()'s answers from llama.cpp (a GgufPeer): the same prompt ids, greedy, one task at a time,
+    each answer as long as the context leaves room for (as complete()'s)."""
+    from tqdm import tqdm
+
+    stop, ids = set(lm.eos_ids), []
+    for task, prompt in tqdm(list(zip(tasks, task_prompts(lm, tasks))), desc="answers (llama.cpp)", unit="task",
+                             disable=not progress, leave=False):
+        if len(prompt) >= ctx:
+            raise QliteError(f"code tasks: {task.name}: the prompt's {len(prompt)} tokens leave no room in the "
+                             f"model's context of {ctx}")
+        ids.append(peer.greedy(prompt, min(max_new_tokens, ctx - len(prompt)), stop))
+    if answer_ids is not None:
+        answer_ids[:] = ids
+    return [(lm.tokenizer.decode(row), len(row)) for row in ids]
+
+
 def answer_tasks(model_dir: Path, tasks: list[Task], dtype: str = "auto", max_new_tokens: int = 512,
-                 batch_size: int = 8, limits: Limits = Limits(), progress: bool = True) -> tuple[CodeRow, list]:
-    """One model's row (answers scored in the sandbox) and its (prompt ids, answer ids) per task."""
+                 batch_size: int = 8, limits: Limits = Limits(), progress: bool = True,
+                 prompter: Path | None = None) -> tuple[CodeRow, list]:
+    """One model's row (answers scored in the sandbox) and its (prompt ids, answer ids) per task. A
+    GGUF file answers through llama.cpp, asked with the prompt ids of `prompter` (the baseline's dir:
+    its tokenizer and chat template)."""
     from qlite.pipeline import load
 
-    lm = load(model_dir, dtype=dtype)
+    gguf = is_gguf(Path(model_dir))
+    if gguf and prompter is None:
+        raise QliteError(f"{model_dir}: a GGUF answers the baseline's prompts; give the baseline's dir")
+    lm = load(prompter if gguf else model_dir, dtype=dtype)
     if lm.tokenizer.chat_template is None:
-        raise QliteError(f"{model_dir}: has no chat template; the code tasks are asked as chat messages")
+        raise QliteError(f"{prompter if gguf else model_dir}: has no chat template; the code tasks are asked as "
+                         "chat messages")
     t0 = time.perf_counter()
-    ids = [[] for _ in tasks]
-    answers = complete(lm, tasks, max_new_tokens, batch_size, progress, ids)
+    prompts, ids = task_prompts(lm, tasks), [[] for _ in tasks]
+    if gguf:
+        ctx = min(max(map(len, prompts)) + max_new_tokens, lm.model.config.context_length)
+        peer = GgufPeer(model_dir, ctx, lm.tokenizer, lm.model.config.vocab_size)
+        answers = complete_gguf(peer, lm, tasks, max_new_tokens, ctx, progress, ids)
+    else:
+        answers = complete(lm, tasks, max_new_tokens, batch_size, progress, ids)
     row = CodeRow(Path(model_dir).name, score(tasks, answers, limits, progress=progress), time.perf_counter() - t0)
-    return row, list(zip(task_prompts(lm, tasks), ids))
+    return row, list(zip(prompts, ids))
 
 
 def compare_rows(rows: list[CodeRow], dirs: list[Path], base_sequences: list, dtype: str = "auto",
@@ -213,8 +246,11 @@ def compare_rows(rows: list[CodeRow], dirs: list[Path], base_sequences: list, dt
     todo = [(row, d) for row, d in zip(rows[1:], dirs[1:]) if not row.answer_fidelity]
     if fidelity_tasks and todo:
         chosen = [base_sequences[i] for i in evenly(len(base_sequences), fidelity_tasks)]
-        models = {row.model: load_model(d, dtype=dtype) for row, d in todo}
-        for (row, _), summary in zip(todo, answer_fidelity(models, load_model(dirs[0], dtype=dtype), chosen).values()):
+        base = load_model(dirs[0], dtype=dtype)
+        ctx = max(len(prompt) + len(answer) for prompt, answer in chosen)
+        models = {row.model: GgufPeer(d, ctx, Tokenizer(dirs[0]), base.config.vocab_size) if is_gguf(Path(d))
+                  else load_model(d, dtype=dtype) for row, d in todo}
+        for (row, _), summary in zip(todo, answer_fidelity(models, base, chosen).values()):
             row.answer_fidelity = summary
 
 
@@ -227,7 +263,7 @@ def evaluate_code(model_dirs, baseline, tasks: list[Task], dtype: str = "auto", 
     dirs = [Path(baseline), *map(Path, model_dirs)]
     rows, base_sequences = [], None
     for d in tqdm(dirs, desc="code tasks", unit="model", disable=not progress):
-        row, sequences = answer_tasks(d, tasks, dtype, max_new_tokens, batch_size, limits, progress)
+        row, sequences = answer_tasks(d, tasks, dtype, max_new_tokens, batch_size, limits, progress, dirs[0])
         rows.append(row)
         base_sequences = base_sequences or sequences
     compare_rows(rows, dirs, base_sequences, dtype, fidelity_tasks)

@@ -56,3 +56,17 @@ class GgufPeer:
             self.llm.eval(row)
             rows.append(torch.from_numpy(self.llm.scores[:len(row)].copy()))  # (T, vocab)
         return torch.stack(rows)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+        """llama.cpp's greedy continuation of the prompt's ids (each token the argmax of its logits, as its
+        greedy sampler takes): at most max_new_tokens, ending before a stop id."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        answer = []
+        while len(answer) < max_new_tokens:
+            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())  # the last position's logits
+            if token in stop:
+                break
+            answer.append(token)
+            self.llm.eval([token])
+        return answer

@@ -64,7 +64,9 @@ def table(presets: list[str], made: dict, fidelity: dict, speed: dict, peers: di
 @click.option("--threads", default=2, show_default=True)
 @click.option("--rounds", default=2, show_default=True, help="eval.bench processes per model, interleaved")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
-def main(src, gguf_from, presets, work, max_chunks, ctx, threads, rounds, md_path):
+@click.option("--plot", "plot_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="also draw frontier.png and speed.png here (docs/ for the README's; needs matplotlib)")
+def main(src, gguf_from, presets, work, max_chunks, ctx, threads, rounds, md_path, plot_dir):
     presets = [p for p in presets.split(",") if p]
     work.mkdir(parents=True, exist_ok=True)
     made = {}
@@ -91,6 +93,24 @@ def main(src, gguf_from, presets, work, max_chunks, ctx, threads, rounds, md_pat
     click.echo(text)
     if md_path:
         md_path.write_text(text + "\n")
+    if plot_dir:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        plot(presets, made, fidelity, speed, peers, plot_dir, text.split("\n\n")[0])
+
+
+def plot(presets: list[str], made: dict, fidelity: dict, speed: dict, peers: dict, out_dir: Path, how: str) -> dict:
+    """frontier.png (MiB against KLD per text) and speed.png (decode tokens/s) of one run's rows."""
+    from . import plots
+
+    labels = {**{p: p for p in presets}, **{name: f"llama.cpp {PEERS[t]}" for t, name in peers.items()}}
+    mib = {**{p: made[p]["mib"] for p in presets}, **{n: speed[n]["size_mib"] for n in peers.values() if n in speed}}
+    points = [plots.Point(labels[name], mib[name], {t: fidelity[name, t]["kld_mean"] for t in ("code", "prose")},
+                          llama_cpp=name not in presets)
+              for name in labels if name in mib and all((name, t) in fidelity for t in ("code", "prose"))]
+    bars = [(labels[name], *speed[name]["decode_tps"][:3], name not in presets) for name in labels if name in speed]
+    title = how.split(" (`")[0]
+    return {"frontier": plots.frontier(points, out_dir / "frontier.png", title=title),
+            "speed": plots.speed(bars, out_dir / "speed.png", title=title)}
 
 
 if __name__ == "__main__":

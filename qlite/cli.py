@@ -199,7 +199,8 @@ def read_prompt(prompt: str | None) -> str:
 @click.option("--dtype", type=DTYPE_CHOICES, default="auto", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto")
 @click.option("--kernel", type=KERNEL_CHOICES, default="auto", show_default=True,
-              help="backend, picked once at load: auto, native, aten, bnb or reference (exact and slow, no native code)")
+              help="backend, picked once at load: auto, native, native-a16 (native with 16-bit activations), aten, bnb or "
+                   "reference (exact and slow, no native code)")
 @click.option("--threads", type=at_least(1), help="CPU threads (default: one per core)")
 @kv_cache_option
 @speculate_options
@@ -256,7 +257,8 @@ def generate(model_dir, prompt, system, raw, temperature, top_k, top_p, min_p, r
 def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, ctx, dtype,
          kernel, threads, kv_cache, speculate, draft_tokens):
     """Chat in the terminal: replies stream as they are generated, the history stays in the context
-    (oldest turns dropped, with a notice, when it fills); /reset clears it, /exit leaves."""
+    (oldest turns dropped, with a notice, when it fills); /reset clears it, /exit or /quit leaves, /help
+    lists these."""
     from .chat import Conversation, run_chat
     from .pipeline import load
 
@@ -314,20 +316,22 @@ def chat(model_dir, system, temperature, top_k, top_p, min_p, repetition_penalty
 @click.option("--prefill-chunk", type=at_least(0), default=256, show_default=True,
               help="prompt tokens prefilled between two decode steps while other requests are streaming, so a long "
                    "prompt delays them by a chunk, not by itself (0: whole prompts at once)")
+@click.option("--no-webui", is_flag=True, help="do not serve the chat page at / (the API is the same either way)")
 @kv_cache_option
 @speculate_options
 def serve(model_dir, host, port, max_batch, max_queue, ctx, threads, dtype, kernel, max_body_bytes, timeout_s,
-          max_connections, served_model_names, api_key, cors, prompt_cache_mib, prefill_chunk, kv_cache, speculate,
-          draft_tokens):
+          max_connections, served_model_names, api_key, cors, prompt_cache_mib, prefill_chunk, no_webui, kv_cache,
+          speculate, draft_tokens):
     """An OpenAI-compatible HTTP server (chat and text completions, streaming) that decodes
-    concurrent requests together. Ctrl-C lets open requests finish, then exits 130."""
-    from .server import Limits, serve as run
+    concurrent requests together, with a chat page for the browser at its address. Ctrl-C lets open
+    requests finish, then exits 130."""
+    from .serve.server import Limits, serve as run
 
     api_key = api_key_given(api_key)
     run(model_dir, host=host, port=port, max_batch=max_batch, ctx=ctx, max_queue=max_queue, threads=threads,
         dtype=dtype, kernel=kernel, kv_cache=kv_cache, speculate=speculate, draft_tokens=draft_tokens,
         served_model_names=served_model_names, api_key=api_key, cors=cors, prompt_cache_mib=prompt_cache_mib,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, webui=not no_webui,
         log=lambda m: click.echo(m, err=True),
         limits=Limits(max_body_bytes, timeout_s, max_connections))
     raise Interrupted()  # uvicorn returns after a drained Ctrl-C or SIGTERM
@@ -526,7 +530,8 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
              kv_caches, json_path, md_path):
     """Perplexity and logit fidelity (KLD, top-1, delta-p) of models against a 16-bit baseline, and with
     --tasks whether their greedy answers to code tasks still pass hidden tests. A MODEL_DIR that is a
-    .gguf file is scored by llama.cpp on the same tokens (needs the bench extra)."""
+    .gguf file is scored by llama.cpp on the same tokens, and answers the code tasks' prompts through it
+    (needs the bench extra)."""
     from eval.run import evaluate, how_run, in_blocks, write_reports
 
     inputs = [*model_dirs, baseline, *(d for d in data if d not in ("code", "prose", "none")),
@@ -541,9 +546,6 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
     code_tasks = None
     if tasks:
         from eval.task_sources import tasks_named
-        ggufs = [d for d in model_dirs if d.suffix.lower() == ".gguf"]
-        if ggufs:
-            raise QliteError(f"--tasks: {ggufs[0]} is a GGUF; code tasks run qlite checkpoints (score GGUFs with --data)")
         code_tasks = tasks_named(tasks)[:max_tasks]
     kv_caches = tuple(dict.fromkeys(kv_caches))
     if ctx is None:  # a model with a shorter context is scored at its own
@@ -565,7 +567,8 @@ def eval_cmd(model_dirs, baseline, data, ctx, max_chunks, tasks, max_tasks, max_
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
 @click.option("--force", is_flag=True, help="replace OUT_DIR if it is a checkpoint dir (config.json) that holds no input")
 def import_gguf_cmd(gguf_file, out_dir, dtype, force):
-    """Convert a qwen2 GGUF file into a checkpoint dir (safetensors, tokenizer, config)."""
+    """Convert a GGUF file (llama, qwen2, qwen2moe, qwen3 or qwen3moe) into a checkpoint dir (safetensors,
+    tokenizer, config), dequantized to float16 by default."""
     from .gguf import import_gguf
 
     import_gguf(gguf_file, out_dir, dtype=dtype, force=force, out_flag="OUT_DIR")

@@ -41,7 +41,7 @@ FP16_SMALLEST = 2.0 ** -24  # the smallest positive float16: a scale must not ro
 INT8_MAX = 127
 INT8_OFFSET = 128  # int8 codes as unsigned ones for other engines: u = q + 128
 CHUNK_ELEMENTS = 1 << 19  # weights quantized at a time: their float32 temporaries (2 MB each) stay in the caches
-# (at 7B's width 4-7x faster than 4096 rows at a time, eval in BENCHMARKS.md), and a 150k-row lm_head never has more alive
+# (faster at 7B's width than 4096 rows at a time: BENCHMARKS.md), and a 150k-row lm_head never has more alive
 
 
 def chunk_rows(in_features: int) -> int:

@@ -2,9 +2,8 @@
 pass's (speculate.py: one sequence's new tokens, each as its own step would take it), for a model
 whose every linear runs a native product and whose small ops are native (backends.NativeOps). The C side
 calls the very kernels the module path calls, in the same order, so the result is bitwise the same
-(tested); what goes is the Python between them: ~10 module calls, checks and allocations per layer,
-2.3-2.9 ms of a demo model's step, which the fused one takes 1.15-1.28x less time than the modules
-(BENCHMARKS.md "Decode step in one call")."""
+(tested); what goes is the Python between them: ~10 module calls, checks and allocations per layer
+(what that saves: BENCHMARKS.md "Decode step in one call")."""
 from __future__ import annotations
 
 import ctypes

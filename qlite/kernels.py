@@ -3,8 +3,7 @@ for one layer (`Kernel(layer)`, when `Kernel.supports(layer)`); it owns whatever
 needs and is called with the activations. backends.py says which kernels a backend tries, in order.
 
 - reference: dequantize the whole weight, then F.linear. Exact and slow; what tests compare against.
-- aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (they are 10-70x slower fed
-  float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
+- aten (CPU): torch's shipped weight-only kernels, fed bf16 activations (far slower fed float32): `_weight_int8pack_mm` for per-channel int8, `_weight_int4pack_mm_for_cpu` for int4
   (a copy of the weights repacked once with `_convert_weight_to_int4pack_for_cpu`).
 - native (CPU with AVX-512 BF16, or AVX2 + FMA): qlite's own kernels (native.py) on the canonical
   buffers as stored: a matrix-vector product for decoding (up to MAX_ROWS rows per sequence, any number
@@ -265,10 +264,10 @@ def dequantized_for_prefill(fmt, in_features: int) -> bool:
 class VnniInt4(_TiledCodes, NativeInt4):
     """The same for int4 weights, with int8 activations (llama.cpp's numerics, a scale per group); groups
     of 32 too (NativeInt4's own product needs 64). One product at every row count, prefill included (in
-    lanes, csrc/lanes.h): 1.7-3.6x faster than dequantize + matmul from 128 rows at 7B's shapes
-    (BENCHMARKS.md, "Prefill at real sizes"), and each row's result the same at any row count. Codes tiled
-    (native.tile_codes), a copy made at load in place of the file's: the decode product streams them
-    1.1-1.6x faster so at 7B's shapes (BENCHMARKS.md)."""
+    lanes, csrc/lanes.h), faster than dequantize + matmul from 128 rows at 7B's shapes (BENCHMARKS.md,
+    "Prefill at real sizes"), and each row's result the same at any row count. Codes tiled
+    (native.tile_codes), a copy made at load in place of the file's: the decode product streams them as
+    one stream, which CPUs prefetch better than 4 (BENCHMARKS.md, "Decode at 7B: tiled codes")."""
     name = "vnni-int4"
     prepare = staticmethod(native.vnni_product)
     exact_rows = sys.maxsize

@@ -34,7 +34,7 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """auto: bf16 on a CPU with native bf16 or qlite's native kernels (which take bf16 activations: on an
-    AVX2 CPU they decode 1.1-1.2x faster than with float32 ones), else float32; bf16 or fp16 on CUDA."""
+    AVX2 CPU they decode faster than with float32 ones), else float32; bf16 or fp16 on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

@@ -110,8 +110,8 @@ def _avx2_kernels() -> bool:
 
 def matmul_dtype() -> torch.dtype:
     """The dtype of prefill's matmuls on dequantized weights: bf16 beside the AVX-512 kernels (a CPU with
-    bf16 arithmetic), float32 beside the AVX2 ones (there torch's bf16 matmul is 3.6x slower than its
-    float32 one: 56 against 202 GFLOP/s, 512 x 896 x 4864, torch limited to AVX2 on this machine)."""
+    bf16 arithmetic), float32 beside the AVX2 ones (there torch's bf16 matmul, without bf16 arithmetic
+    in the CPU, is several times slower than its float32 one)."""
     return torch.float32 if _avx2_kernels() else torch.bfloat16
 
 

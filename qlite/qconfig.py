@@ -155,6 +155,8 @@ class QuantConfig:
             return str(self.params["preset"])
         if "target_bpw" in self.params:
             return f"bpw{self.params['target_bpw']:g}"
+        if "target_kld" in self.params:
+            return f"kld{self.params['target_kld']:g}"
         name = self.linear.name if self.method in ("rtn", "bnb") else f"{self.method}-{self.linear.name}"
         return name + ("-act" if self.params.get("act_order") else "")
 

@@ -55,9 +55,9 @@ def serve_once(model_dir):
 
     import uvicorn
 
-    from qlite.engine import Engine
+    from qlite.serve.engine import Engine
     from qlite.pipeline import load
-    from qlite.server import Limits, make_app, server_config
+    from qlite.serve.server import Limits, make_app, server_config
 
     lm = load(model_dir, dtype="float32")
     want = lm.generate("hi there", max_new_tokens=8)

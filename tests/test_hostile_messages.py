@@ -1,5 +1,5 @@
 """Messages that were poor (issue 54, item 6): each a one-line error naming the flag or the file at fault,
-nothing written. (Config fields: tests/qlite/test_config.py; requests: tests/qlite/test_server.py.)"""
+nothing written. (Config fields: tests/qlite/test_config.py; requests: tests/qlite/serve/test_server.py.)"""
 import json
 import shutil
 from pathlib import Path

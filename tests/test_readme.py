@@ -1,6 +1,6 @@
 """The README's commands run, in its order, on a tiny random checkpoint (SRC; MODEL is its default
 quantization, SRC-q4): what a user pastes works. Not run here: the fresh-machine setup lines (CI runs
-them), `qlite serve` and its curl (a server that stays up: tests/qlite/test_server.py serves)."""
+them), `qlite serve` and its curl (a server that stays up: tests/qlite/serve/test_server.py serves)."""
 import io
 import re
 import shlex

@@ -13,7 +13,7 @@ from arch_checks import (assert_gguf_round_trip, assert_greedy_matches, assert_i
                          assert_logits_match, serve_once)
 from cli_checks import assert_one_line_error, run_cli
 from qlite.config import ModelConfig
-from qlite.engine import Engine
+from qlite.serve.engine import Engine
 from qlite.errors import QliteError
 from qlite.pipeline import load
 from tiny_models import MOE, TINY, make_checkpoint
@@ -83,7 +83,7 @@ def test_int8_and_the_default_quantize_generate_chat_and_serve(model_type, tmp_p
 
 @pytest.mark.parametrize("model_type", sorted(MOE))
 def test_eight_concurrent_clients_get_their_answers_alone(model_type, tmp_path):
-    from tests.qlite.test_server import PROMPTS, chat, running
+    from tests.qlite.serve.test_server import PROMPTS, chat, running
     src = make_checkpoint(tmp_path / "src", model_type=model_type, **MOE[model_type])
     lm = load(src, dtype="float32")
     want = [lm.generate([{"role": "user", "content": p}], max_new_tokens=12) for p in PROMPTS]

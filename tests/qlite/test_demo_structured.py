@@ -10,7 +10,7 @@ from qlite.decode import stream_text
 from qlite.messages import check_messages
 from qlite.pipeline import load
 from qlite.tokenizer import Tokenizer
-from qlite.tools import ToolCallText
+from qlite.serve.tools import ToolCallText
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

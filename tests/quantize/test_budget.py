@@ -3,6 +3,7 @@ files), the mix runs, and bad budgets are one line that writes nothing. --target
 was measured within the target, and is the smallest of its trials that was."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -115,9 +116,11 @@ def test_target_kld_keeps_the_smallest_trial_within_the_target(untied, tmp_path,
 
 
 def test_a_loose_target_kld_takes_the_smallest_mix_and_one_out_of_reach_writes_nothing(untied, tmp_path, capsys):
-    s = kld_convert(untied, tmp_path / "k", target_kld=10, windows=4, seqlen=64, samples=2, progress=False)
+    s = kld_convert(untied, None, target_kld=10, windows=4, seqlen=64, samples=2, progress=False)
+    assert s.out_dir == untied.parent / "ckpt-kld10"  # the default --out names the target
+    out = shutil.move(s.out_dir, tmp_path / "k")
     assert s.bits_per_parameter == pytest.approx(Mixer(CheckpointDir(untied), ()).smallest_bits())
-    assert "predicted_kld" in json.loads((s.out_dir / "config.json").read_text())["quantization_config"]
+    assert "predicted_kld" in json.loads((out / "config.json").read_text())["quantization_config"]
     code = main(["quantize", str(untied), "--out", str(tmp_path / "q"), "--target-kld", "1e-9"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: --target-kld 1e-09: no mix of") and "the closest: mean KLD" in err[-1]

@@ -9,7 +9,7 @@ import torch
 
 from cli_checks import assert_one_line_error, run_cli
 from qlite.checkpoint import CheckpointDir
-from qlite.engine import Engine
+from qlite.serve.engine import Engine
 from qlite.loader import load_model
 from qlite.pipeline import load
 from quantize.presets import PRESETS
@@ -79,7 +79,7 @@ def test_generate_and_eval(quantized, capsys):
 
 
 def test_serves_one_request_as_the_python_api_answers(quantized):
-    from tests.qlite.test_server import call, running
+    from tests.qlite.serve.test_server import call, running
     lm = load(quantized[1])
     want = lm.generate("the he", chat=False, max_new_tokens=8)
     with running(lm, Engine(lm, max_batch=2, ctx=128, max_queue=2).start()) as (port, _):

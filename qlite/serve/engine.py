@@ -29,11 +29,11 @@ from typing import Callable
 
 import torch
 
-from .backends import exact_prefill
-from .decode import Event, Failed, RowCache, Sequence, Shaping, Start
-from .errors import QliteError
-from .generate import SamplingParams, left_padded
-from .memory import release_freed_memory
+from ..backends import exact_prefill
+from ..decode import Event, Failed, RowCache, Sequence, Shaping, Start
+from ..errors import QliteError
+from ..generate import SamplingParams, left_padded
+from ..memory import release_freed_memory
 from .prompt_cache import PromptCache
 
 IDLE_RELEASE_S = 0.5  # idle this long, the engine hands freed memory back (release_freed_memory): not at once,
@@ -145,8 +145,8 @@ class Engine:
         """The engine `build` makes (loading the model) on a new thread, which then runs the engine there:
         every OpenMP parallel region of the model then starts from that one thread. A second thread that
         starts them gets a second team; libgomp, with more of its threads than CPUs, then stops spinning
-        between regions, and each of a step's ~120 regions (the demo model) waits on a wake-up: a decode
-        step took 22-23 ms in a thread beside the loading one, 14-16 ms on it (2 Zen 4 cores)."""
+        between regions, and each of a step's ~120 regions (the demo model) waits on a wake-up, which
+        made a decode step markedly slower in a thread beside the loading one."""
         box, ready = {}, threading.Event()
 
         def own():
@@ -328,7 +328,7 @@ class Engine:
         self.cache.join(f.cache, f.mask[:, :f.cache.length])
         self.rows.extend(seqs)
         if self.speculation is not None:
-            from .speculate import Pacer, Speculator
+            from ..speculate import Pacer, Speculator
             if self.pacer is None:  # one for every request: what passes cost and how often proposals are taken
                 self.pacer = Pacer(self.speculation.most, drafter=self.speculation.drafter)  # carry over
             for job, _ in seqs:

@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from .errors import QliteError
+from ..errors import QliteError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -1,8 +1,8 @@
-"""Hostile input, second pass: each case the probe found, as its own test. Every case ends without a
+"""Hostile files, links, sizes, config values and signals: each case a probe found, as its own test. Every case ends without a
 signal or a hang past its bound, with a one-line error naming the file, field or flag at fault (or
 a clean success where the input was legitimate), the inputs byte-identical, nothing read outside
 the checkpoint. Commands that once crashed the process run in a subprocess, so a regression is a
-failed test, not a dead test run. (Server cases: tests/qlite/test_server.py; templates:
+failed test, not a dead test run. (Server cases: tests/qlite/serve/test_server.py; templates:
 tests/qlite/test_chat_template.py; temp-dir ownership: tests/qlite/test_outputs.py.)"""
 import json
 import os

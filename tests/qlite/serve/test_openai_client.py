@@ -12,9 +12,9 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
-from qlite.engine import Engine  # noqa: E402
+from qlite.serve.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
-from tests.qlite.test_server import running  # noqa: E402
+from serving_checks import running  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {
     "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}

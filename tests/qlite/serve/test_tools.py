@@ -1,10 +1,10 @@
-"""Tool calling's request checks and the markup parser (qlite/tools.py), against hand-written answers."""
+"""Tool calling's request checks and the markup parser (qlite/serve/tools.py), against hand-written answers."""
 import json
 
 import pytest
 
 from qlite.errors import QliteError
-from qlite.tools import ToolCallText, checked_tools, tool_choice
+from qlite.serve.tools import ToolCallText, checked_tools, tool_choice
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 

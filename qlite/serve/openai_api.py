@@ -8,10 +8,10 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from .decode import Shaping, Text, Token
-from .errors import QliteError
-from .generate import SamplingParams
-from .messages import checked_text
+from ..decode import Shaping, Text, Token
+from ..errors import QliteError
+from ..generate import SamplingParams
+from ..messages import checked_text
 from .tools import ToolCallText, checked_tools, markup_ids, tool_choice
 
 MAX_STOPS = 4
@@ -120,7 +120,7 @@ def plan(body: dict, defaults: dict, vocab_size: int, chat: bool, tokenizer=None
             out.tools = bad_field("tools")(checked_tools, body["tools"])
         out.tool_mode = bad_field("tool_choice")(tool_choice, body.get("tool_choice"), out.tools)
         if out.tool_mode not in (None, "auto"):
-            from .constrain import tool_call_grammar
+            from ..constrain import tool_call_grammar
             out.grammar, out.grammar_field = bad_field("tool_choice")(
                 lambda: tool_call_grammar(out.tools, None if out.tool_mode == "required" else out.tool_mode,
                                           *markup_ids(tokenizer))), "tools"
@@ -155,7 +155,7 @@ def response_format_grammar(fmt) -> str | None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
-    from .constrain import json_schema_grammar
+    from ..constrain import json_schema_grammar
     if kind == "json_object":
         return bad_field("response_format")(json_schema_grammar, True)
     if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):

@@ -9,7 +9,7 @@ import torch
 
 from qlite import native
 from qlite.decode import Done, Failed, Text
-from qlite.engine import GROUP_CACHE_TOKENS, PREFILL_TOKENS, Engine, Job, Ready, prefill_groups
+from qlite.serve.engine import GROUP_CACHE_TOKENS, PREFILL_TOKENS, Engine, Job, Ready, prefill_groups
 from qlite.fused import FusedLayers
 from qlite.generate import left_padded
 from qlite.pipeline import load
@@ -304,7 +304,7 @@ def test_freed_memory_goes_back_once_the_engine_has_been_idle_a_while(lm, monkey
     """The idle engine hands freed memory back (a full GC, ~0.2 s holding the GIL on the demo model) only
     after IDLE_RELEASE_S without work, once per idle spell: not as a request's last events go out, nor
     between a request and one that follows at once."""
-    from qlite import engine as engine_module
+    from qlite.serve import engine as engine_module
     released = []
     monkeypatch.setattr(engine_module, "release_freed_memory", lambda: released.append(time.monotonic()))
     monkeypatch.setattr(engine_module, "IDLE_RELEASE_S", 0.3)

@@ -1,7 +1,6 @@
 """qlite serve against a real server on 127.0.0.1 with a tiny checkpoint, called with a plain HTTP
 client: answers equal the Python API's, streams join to them, batching is exact, bad requests get
 OpenAI-shaped 400s, a client that leaves frees its row, Ctrl-C exits 130."""
-import contextlib
 import http.client
 import json
 import os
@@ -9,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,45 +18,18 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 
 from qlite import native  # noqa: E402
-from qlite.engine import Engine  # noqa: E402
+from qlite.serve.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
-from qlite.server import Limits, make_app, server_config  # noqa: E402
+from serving_checks import LIMITS, free_port, running  # noqa: E402
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint  # noqa: E402
 
-LIMITS = Limits(max_body_bytes=64 * 1024, timeout_s=2.0, max_connections=40)
 
 PROMPTS = ["the", "he in", "a", "the the", "in the he", "he", "t", "a the in"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_ckpt):
     return load(tiny_ckpt, dtype="float32")
-
-
-@contextlib.contextmanager
-def running(lm, engine, **options):
-    """(port, engine) of a server on 127.0.0.1 over a started engine, until the block ends."""
-    port = free_port()
-    config = server_config(make_app(lm, engine, options.pop("names", "tiny"), LIMITS, **options), "127.0.0.1", port,
-                           LIMITS)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield port, engine
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +206,7 @@ def test_serve_command_exits_130_on_ctrl_c(tiny_ckpt):
 
 
 def test_a_full_queue_answers_503(lm):
-    from qlite.engine import Job
+    from qlite.serve.engine import Job
     from qlite.generate import SamplingParams
 
     engine = Engine(lm, max_batch=1, ctx=64, max_queue=1)  # not started: nothing leaves the queue
@@ -291,7 +262,7 @@ def test_load_script_times_a_long_prompt_joining_against_a_second_server(tiny_ck
     assert r.stdout.count("exit status 130") == 2
 
 
-# Hostile requests (issue: hostile input, second pass): each fails alone, in OpenAI's JSON shape,
+# Hostile requests: each fails alone, in OpenAI's JSON shape,
 # while a well-formed stream beside it is answered exactly as alone.
 
 def json_error(status_payload, status: int) -> dict:
