@@ -22,6 +22,8 @@ from . import foreign
 FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, None: 1}  # llama.cpp's LlamaFileType: MOSTLY_*, F16
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
+SQUARE_ATTENTION = ("qwen2", "qwen2moe")  # llama.cpp's loaders size q_proj and o_proj hidden x hidden
+
 
 def tokenizer_metadata(src: CheckpointDir, vocab_size: int) -> tuple[list[str], list[int]]:
     """Every token id's text and GGUF token type, as llama.cpp's converter makes them: added special
@@ -159,6 +161,10 @@ def export_gguf(src: CheckpointDir, out: Path, force: bool, progress: bool) -> l
         writer.add_block_count(cfg.num_hidden_layers)
         writer.add_head_count(cfg.num_attention_heads)
         writer.add_head_count_kv(cfg.num_key_value_heads)
+        if cfg.arch.gguf_arch in SQUARE_ATTENTION and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise QliteError(f"{src.path}: head_dim {cfg.head_dim} x {cfg.num_attention_heads} heads is not the hidden "
+                             f"size {cfg.hidden_size}, and llama.cpp's {cfg.arch.gguf_arch} takes q and o as hidden x "
+                             f"hidden (not exported)")
         if cfg.explicit_head_dim is not None:
             writer.add_key_length(cfg.head_dim)
             writer.add_value_length(cfg.head_dim)

@@ -99,8 +99,9 @@ def test_gguf_export_merges_the_experts_and_imports_back(model_type, gguf_arch, 
     ffn_gate_inp, the shared expert's _shexp tensors; imported back to transformers' logits."""
     from gguf import GGUFReader
 
+    head_dim = 32 if model_type == "qwen3_moe" else TINY["hidden_size"] // TINY["num_attention_heads"]  # llama.cpp's qwen2moe
     src = make_checkpoint(tmp_path / "src", model_type=model_type,
-                          **{**SMALL[model_type], "mlp_only_layers": [], "moe_intermediate_size": 64, "head_dim": 32})
+                          **{**SMALL[model_type], "mlp_only_layers": [], "moe_intermediate_size": 64, "head_dim": head_dim})
     assert_gguf_round_trip(src, tmp_path, gguf_arch)
     reader = GGUFReader(tmp_path / "model.gguf")
     shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
@@ -115,6 +116,7 @@ def test_gguf_export_merges_the_experts_and_imports_back(model_type, gguf_arch, 
     ("qwen2_moe", {}, "dense layers among sparse ones"),  # mlp_only_layers [1]
     ("qwen2_moe", {"mlp_only_layers": [], "norm_topk_prob": True}, "always keeps"),
     ("qwen3_moe", {"norm_topk_prob": False}, "always renormalizes"),
+    ("qwen2_moe", {"mlp_only_layers": [], "head_dim": 32}, "takes q and o as hidden x hidden"),
 ])
 def test_a_gguf_llama_cpp_cannot_hold_is_refused_in_one_line(model_type, overrides, needle, tmp_path, capsys):
     src = make_checkpoint(tmp_path / "src", model_type=model_type, **{**SMALL[model_type], **overrides})
