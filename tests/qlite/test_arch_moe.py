@@ -13,9 +13,9 @@ from arch_checks import (assert_gguf_round_trip, assert_greedy_matches, assert_i
                          assert_logits_match, serve_once)
 from cli_checks import assert_one_line_error, run_cli
 from qlite.config import ModelConfig
-from qlite.serve.engine import Engine
 from qlite.errors import QliteError
 from qlite.pipeline import load
+from qlite.serve.engine import Engine
 from tiny_models import MOE, TINY, make_checkpoint
 
 SMALL = {  # widths below the native kernels': the reference path, as transformers computes

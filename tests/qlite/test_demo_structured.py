@@ -9,8 +9,8 @@ import pytest
 from qlite.decode import stream_text
 from qlite.messages import check_messages
 from qlite.pipeline import load
-from qlite.tokenizer import Tokenizer
 from qlite.serve.tools import ToolCallText
+from qlite.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -9,9 +9,9 @@ import torch
 
 from cli_checks import assert_one_line_error, run_cli
 from qlite.checkpoint import CheckpointDir
-from qlite.serve.engine import Engine
 from qlite.loader import load_model
 from qlite.pipeline import load
+from qlite.serve.engine import Engine
 from quantize.presets import PRESETS
 from tiny_models import MOE, NATIVE_WIDTHS, make_checkpoint
 
@@ -141,3 +141,13 @@ def test_q4_reads_coding_conversations_where_the_model_has_a_chat_template(quant
     (bare / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
     summary = quantize_preset("q4", bare, tmp_path / "bare-q4", report=False, progress=False)
     assert json.loads((summary.out_dir / "config.json").read_text())["quantization_config"]["sensitivity"]["data"] == "builtin"
+
+
+def test_a_source_without_a_tokenizer_gets_fast_with_a_note(tmp_path, capsys):
+    """The default's mix is chosen by measuring text, which needs the tokenizer: without tokenizer.json
+    `qlite quantize SRC` says so and writes the fast preset (int4-g128, no measurement)."""
+    src = make_checkpoint(tmp_path / "src", seed=13, **NATIVE_WIDTHS)
+    (src / "tokenizer.json").unlink()
+    code, _, err = run_cli(capsys, "quantize", src)
+    assert code == 0 and f"note: {src} has no tokenizer.json to measure a mix with; writing --preset fast" in err
+    assert json.loads((tmp_path / "src-fast" / "config.json").read_text())["quantization_config"]["preset"] == "fast"

@@ -9,10 +9,10 @@ import torch
 
 from qlite import native
 from qlite.decode import Done, Failed, Text
-from qlite.serve.engine import GROUP_CACHE_TOKENS, PREFILL_TOKENS, Engine, Job, Ready, prefill_groups
 from qlite.fused import FusedLayers
 from qlite.generate import left_padded
 from qlite.pipeline import load
+from qlite.serve.engine import GROUP_CACHE_TOKENS, PREFILL_TOKENS, Engine, Job, Ready, prefill_groups
 from qlite.speculate import Drafter
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
 

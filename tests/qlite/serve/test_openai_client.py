@@ -12,8 +12,8 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
-from qlite.serve.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
+from qlite.serve.engine import Engine  # noqa: E402
 from serving_checks import running  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {

@@ -9,9 +9,9 @@ import torch
 from qlite import native
 from qlite.backends import exact_prefill
 from qlite.decode import Done, Failed, Start, Text, Token
-from qlite.serve.engine import Engine, Job
 from qlite.kv_quant import KINDS
 from qlite.pipeline import load
+from qlite.serve.engine import Engine, Job
 from qlite.serve.prompt_cache import MIN_REUSE, PromptCache
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint
 

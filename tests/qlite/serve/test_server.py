@@ -18,8 +18,8 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 
 from qlite import native  # noqa: E402
-from qlite.serve.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
+from qlite.serve.engine import Engine  # noqa: E402
 from serving_checks import LIMITS, free_port, running  # noqa: E402
 from tests.tiny_models import NATIVE_WIDTHS, make_checkpoint  # noqa: E402
 

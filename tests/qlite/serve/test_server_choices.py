@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("starlette")
 
+from qlite.pipeline import load  # noqa: E402
 from qlite.serve.engine import Engine  # noqa: E402
 from qlite.serve.openai_api import BadRequest, plan  # noqa: E402
-from qlite.pipeline import load  # noqa: E402
 from qlite.serve.server import Choices  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "the"}]

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from qlite.serve.engine import Engine  # noqa: E402
 from qlite.pipeline import load  # noqa: E402
+from qlite.serve.engine import Engine  # noqa: E402
 from serving_checks import running  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def test_a_question_typed_in_the_page_gets_a_streamed_answer(lm, tmp_path):
     playwright, chromium = browser()
     with running(lm, Engine(lm, max_batch=2, ctx=128).start(), api_key="sesame") as (port, _), \
             playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-dev-shm-usage"])
         page = b.new_page()
         problems = []
         page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
