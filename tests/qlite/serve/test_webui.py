@@ -61,12 +61,12 @@ def test_a_question_typed_in_the_page_gets_a_streamed_answer(lm, tmp_path):
         page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: problems.append(str(e)))
         page.goto(f"http://127.0.0.1:{port}/")
-        page.wait_for_function("document.getElementById('model').textContent.includes('API key')")
+        playwright.expect(page.locator("#model")).to_contain_text("API key")  # (no eval: the page's CSP forbids it)
         problems.clear()  # the 401 before the key is given is the page's to show, not an error of its own
         page.click("summary")  # the settings
         page.fill("#key", "sesame")
         page.dispatch_event("#key", "change")
-        page.wait_for_function("document.getElementById('model').textContent === 'tiny'")
+        playwright.expect(page.locator("#model")).to_have_text("tiny")
         page.fill("#temperature", "0")
         page.fill("#input", "the")
         page.press("#input", "Enter")
