@@ -80,6 +80,14 @@ class CodeRow:
     def tokens(self) -> int:
         return sum(r.tokens for r in self.results)
 
+    def compared(self) -> str:
+        """Its table cells: passed | pass rate | +won / -lost | difference | KLD on the baseline's answers | top-1."""
+        vs = (f"+{self.paired['wins']} / -{self.paired['losses']} | {100 * self.paired['diff']:+.1f} ± "
+              f"{100 * self.paired['diff_err']:.1f} pp") if self.paired else "(baseline) | "
+        f = self.answer_fidelity
+        answers = f"{f['kld_mean']:.4f} ± {f['kld_mean_err']:.4f} | {100 * f['top1']:.2f}%" if f else " | "
+        return f"{self.passed} | {100 * self.pass_rate:.1f}% ± {100 * self.pass_rate_err:.1f} | {vs} | {answers}"
+
     def summary(self) -> dict:
         return {"model": self.model, "tasks": len(self.results), "passed": self.passed,
                 "pass_rate": self.pass_rate, "pass_rate_err": self.pass_rate_err, "tokens": self.tokens,
@@ -189,14 +197,14 @@ def evenly(n: int, k: int) -> list[int]:
     return list(range(n)) if k >= n else [i * n // k for i in range(k)]
 
 
-def complete_gguf(peer, lm, tasks: list[Task], max_new_tokens: int, ctx: int, progress: bool = False,
-                  answer_ids: list | None = None) -> list[tuple[str, int]]:
+def complete_gguf(peer, lm, tasks: list[Task], prompts: list[list[int]], max_new_tokens: int, ctx: int,
+                  progress: bool = False, answer_ids: list | None = None) -> list[tuple[str, int]]:
     """complete()'s answers from llama.cpp (a GgufPeer): the same prompt ids, greedy, one task at a time,
     each answer as long as the context leaves room for (as complete()'s)."""
     from tqdm import tqdm
 
     stop, ids = set(lm.eos_ids), []
-    for task, prompt in tqdm(list(zip(tasks, task_prompts(lm, tasks))), desc="answers (llama.cpp)", unit="task",
+    for task, prompt in tqdm(list(zip(tasks, prompts)), desc="answers (llama.cpp)", unit="task",
                              disable=not progress, leave=False):
         if len(prompt) >= ctx:
             raise QliteError(f"code tasks: {task.name}: the prompt's {len(prompt)} tokens leave no room in the "
@@ -227,7 +235,7 @@ def answer_tasks(model_dir: Path, tasks: list[Task], dtype: str = "auto", max_ne
     if gguf:
         ctx = min(max(map(len, prompts)) + max_new_tokens, lm.model.config.context_length)
         peer = GgufPeer(model_dir, ctx, lm.tokenizer, lm.model.config.vocab_size)
-        answers = complete_gguf(peer, lm, tasks, max_new_tokens, ctx, progress, ids)
+        answers = complete_gguf(peer, lm, tasks, prompts, max_new_tokens, ctx, progress, ids)
     else:
         answers = complete(lm, tasks, max_new_tokens, batch_size, progress, ids)
     row = CodeRow(Path(model_dir).name, score(tasks, answers, limits, progress=progress), time.perf_counter() - t0)
@@ -274,13 +282,8 @@ def code_table(rows: list[CodeRow]) -> str:
     head = ("| model | tasks | passed | pass rate | vs baseline: +won / -lost | difference | KLD on the baseline's "
             "answers | top-1 there | tokens | time |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for i, r in enumerate(rows):
-        vs = (f"+{r.paired['wins']} / -{r.paired['losses']} | {100 * r.paired['diff']:+.1f} ± "
-              f"{100 * r.paired['diff_err']:.1f} pp") if r.paired else "(baseline) | "
-        f = r.answer_fidelity
-        vs += (f" | {f['kld_mean']:.4f} ± {f['kld_mean_err']:.4f} | {100 * f['top1']:.2f}%" if f else " | | ")
-        lines.append(f"| {r.model} | {len(r.results)} | {r.passed} | {100 * r.pass_rate:.1f}% ± "
-                     f"{100 * r.pass_rate_err:.1f} | {vs} | {r.tokens} | {r.seconds:.0f} s |")
+    for r in rows:
+        lines.append(f"| {r.model} | {len(r.results)} | {r.compared()} | {r.tokens} | {r.seconds:.0f} s |")
     lines.append("")
     lines.append("Greedy chat answers; the code of each answer runs against the task's hidden tests in a sandbox "
                  "(time, memory and output limits, no network). ± is one standard error; the difference is "

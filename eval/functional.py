@@ -88,15 +88,8 @@ def functional_table(rows: list[CodeRow]) -> str:
     for r in rows:
         text = r.text
         size = f"{text['bits_per_weight']:.2f} | {text['mib']:.0f}" if text else " | "
-        if r.paired:
-            vs = f"+{r.paired['wins']} / -{r.paired['losses']} | {100 * r.paired['diff']:+.1f} ± {100 * r.paired['diff_err']:.1f} pp"
-        else:
-            vs = "(baseline) | "
-        f = r.answer_fidelity
-        answers = f"{f['kld_mean']:.4f} ± {f['kld_mean_err']:.4f} | {100 * f['top1']:.2f}%" if f else " | "
         klds = " | ".join(f"{text[t]['kld_mean']:.4f}" if t in text else "" for t in TEXTS)
-        lines.append(f"| {r.model} | {size} | {r.passed} | {100 * r.pass_rate:.1f}% ± {100 * r.pass_rate_err:.1f} "
-                     f"| {vs} | {answers} | {klds} |")
+        lines.append(f"| {r.model} | {size} | {r.compared()} | {klds} |")
     lines += ["", f"{len(rows[0].results)} tasks, greedy chat answers; the code of each answer runs against the "
               "task's hidden tests in a sandbox. ± is one standard error; the difference is paired (the same "
               "tasks). KLD on the baseline's answers: KL(baseline || model) per token, in nats, both reading the "

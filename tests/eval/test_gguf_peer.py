@@ -79,4 +79,4 @@ def test_a_prompt_past_the_context_is_one_clear_line(pair):
     lm = load(pair[0])
     with pytest.raises(QliteError, match=rf"code tasks: {TASKS[0].name}: the prompt's \d+ tokens leave no room in "
                                          r"the model's context of 10$"):
-        complete_gguf(None, lm, TASKS[:1], 8, ctx=10)
+        complete_gguf(None, lm, TASKS[:1], task_prompts(lm, TASKS[:1]), 8, ctx=10)
