@@ -656,30 +656,46 @@ def _note_interrupts() -> tuple[list, dict]:
     return seen, {s: signal.signal(s, on_stop) for s in STOP_SIGNALS}
 
 
+class _LineEnds:
+    """sys.stderr, noting whether what was last written to it ended its line, so that an error printed
+    after a progress bar that an interrupt cut short (at any point of tqdm's drawing) starts a line."""
+
+    def __init__(self, stream):
+        self._stream, self.at_line_start = stream, True
+
+    def write(self, text):
+        if text:
+            self.at_line_start = text.endswith("\n")
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     sigints, previous = _note_interrupts()
+    stderr = sys.stderr = _LineEnds(sys.stderr)
     try:
         return _run(args, sigints)
     finally:
+        if sys.stderr is stderr:
+            sys.stderr = stderr._stream
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
 def _error(message: str) -> None:
-    """One line on stderr, on a line of its own: a progress bar that an exception left open is closed first,
-    which ends its line. A bar interrupted while it was being built, after its first display but before it
-    noted the time of that display, is one that tqdm's close() leaves as it is: its line is ended here."""
+    """One line on stderr, on a line of its own: a progress bar that an exception left open is closed first
+    (else a generator holding it would draw it again after the error), and a line it left unended is ended."""
     bars = sys.modules.get("tqdm.std")
-    if bars is not None:
-        for bar in list(getattr(bars.tqdm, "_instances", ())):
-            half_built = getattr(bar, "sp", None) is not None and not hasattr(bar, "last_print_t")
-            try:
-                bar.close()
-                if half_built:
-                    bar.fp.write("\n")
-            except Exception:  # a bar that cannot close (its stream gone) must not hide the error
-                pass
+    for bar in list(getattr(getattr(bars, "tqdm", None), "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # a bar cut short while it was built, or whose stream is gone, must not hide the error
+            pass
+    if not getattr(sys.stderr, "at_line_start", True):
+        sys.stderr.write("\n")
     click.echo(f"error: {message}", err=True)
 
 
