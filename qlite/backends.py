@@ -7,7 +7,7 @@ decoder calls. The model math itself (decoder/) never asks which backend it runs
 | reference  | dequantize + F.linear                                   | torch          | torch            |
 | aten       | torch's int8/int4 CPU kernels                           | torch          | torch            |
 | native     | qlite's C kernels, decoding with integer activations where the CPU (VNNI) and the groups allow, else as native-a16 | qlite's C GEMV | qlite's C ops |
-| native-a16 | qlite's C kernels, activations bf16 (the stored weights' exact products) | qlite's C GEMV | qlite's C ops |
+| native-a16 | qlite's C kernels, activations bf16 (the stored weights' exact products; int3k / int2k always) | qlite's C GEMV | qlite's C ops |
 | bnb        | bitsandbytes' nf4 / LLM.int8                            | torch          | torch            |
 | auto       | native, else aten, else bnb, else reference, per layer  | native if it can | native if it can |
 
@@ -23,8 +23,8 @@ from torch import nn
 
 from . import native, native_moe
 from .errors import QliteError
-from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, Reference, VnniInt4,
-                      VnniInt8)
+from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, NativeLowBit, Reference,
+                      VnniInt4, VnniInt8)
 from .fused import FusedLayers
 from .decoder.causal_lm import Decoder
 from .decoder.linear import Linear
@@ -99,7 +99,7 @@ class Backend:
     quantized_only: bool = False  # it changes nothing for a 16-bit model: naming it there is a mistake
 
 
-NATIVE_A16 = (NativeInt8, NativeInt4)
+NATIVE_A16 = (NativeInt8, NativeInt4, NativeLowBit)
 NATIVE_QUANTIZED = (VnniInt8, VnniInt4, *NATIVE_A16)
 BACKENDS = {
     "reference": Backend((Reference,), (), TorchOps),

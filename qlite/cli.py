@@ -379,8 +379,9 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
 @click.option("--format", "scheme", type=Registered(_format_spellings), default="int",
               show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric); intk: int4 whose "
-              "group scales are 8-bit codes under a row scale (int4k-gG: small groups for fewer bytes); or "
-              "bitsandbytes' NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
+              "group scales are 8-bit codes under a row scale (int4k-gG: small groups for fewer bytes), or with "
+              "--bits 3 / 2 int3k-gG / int2k-gG (below 4 bits; input widths a multiple of 128, groups of 16-128, "
+              "default 32); or bitsandbytes' NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
 @click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]),
               help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
               "--symmetric; 16: not quantized (the default for bitsandbytes formats)")

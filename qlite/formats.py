@@ -9,6 +9,12 @@ Canonical layouts on disk (kernel-independent; a kernel may repack at load), G =
                     scales fp16 [N, K/G], zeros uint8 [N, K/G] (integer zero points)  w = (q - z) * s
   int4k-gG:         as int4-gG, but scales uint8 [N, K/G] are codes c under row_scales fp16 [N, 1]:
                     s = fp16(d * c) (llama.cpp's k-quant idea: the scales quantized too)
+  int3k-gG, int2k-gG: b-bit codes q in 0..2^b-1, w = (q - z) * s; K a multiple of 128, G of 16, 32, 64, 128;
+                    qweight uint8 [N, b*K/8], each 128 inputs of a row in 32 (int2) or 48 (int3) bytes: first
+                    their low two bits, byte i holding inputs i, i+32, i+64, i+96 in bits 0-1, 2-3, 4-5, 6-7
+                    (a shift and a mask give 32 consecutive inputs), then int3's high bits, byte i holding
+                    inputs i + 16j in bit j; scales uint8 [N, K/G] each c << b | z: a scale code c in
+                    1..2^(8-b)-1 and the integer zero point z; row_scales fp16 [N, 1] d; s = fp16(d * c)
 The bitsandbytes peer formats keep bitsandbytes' own layout:
   nf4-bB:    qweight uint8 [N, K/2] (column 2j in the HIGH nibble), absmax fp32 [N, K/B]  w = NF4[q] * absmax
   llm.int8:  qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
@@ -201,7 +207,8 @@ def format_named(name: str) -> Format:
             if fmt.group_size is not None and fmt.group_size <= 0:
                 raise QliteError(f"format {name!r}: group size {fmt.group_size} must be a positive number of weights")
             return fmt
-    raise QliteError(f"format {name!r}: unknown (known: int8, int8-gG, int4-gG, int4-gG-sym, int4k-gG, nf4-bB, llm.int8)")
+    raise QliteError(f"format {name!r}: unknown (known: int8, int8-gG, int4-gG, int4-gG-sym, int4k-gG, int3k-gG, "
+                     f"int2k-gG, nf4-bB, llm.int8)")
 
 
 def format_for_fields(scheme: str, bits: int | None, group_size: int | None, symmetric: bool) -> Format:
@@ -213,7 +220,7 @@ def format_for_fields(scheme: str, bits: int | None, group_size: int | None, sym
         cls = REGISTRY.get((scheme, bits))
     if cls is None:
         if scheme == "int":
-            raise QliteError(f"bits {bits}: qlite quantizes to 4 or 8 bits")
+            raise QliteError(f"bits {bits}: the int scheme has 4 and 8 bits (intk has 2, 3 and 4)")
         known = sorted(b for s, b in REGISTRY if s == scheme)
         raise QliteError(f"bits {bits}: {scheme} has {', '.join(map(str, known))} bits" if known else f"scheme {scheme!r}: unknown")
     if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
@@ -485,10 +492,11 @@ class Int4(IntFormat, scheme="int", bits=4):
         return cls(group_size or in_features, bool(symmetric)) if bits == 4 else None
 
 
-def asymmetric_range(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, (hi - lo) / 15) of groups wg (..., G), over a range that includes 0 (a constant group is exact too)."""
+def asymmetric_range(wg: torch.Tensor, top: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, (hi - lo) / top) of groups wg (..., G), over a range that includes 0 (a constant group is exact
+    too); top: the largest code."""
     lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-    return lo, (hi - lo) / 15
+    return lo, (hi - lo) / top
 
 
 @dataclass(frozen=True)
@@ -555,6 +563,96 @@ class Int4K(Int4, scheme="intk", bits=4):
 def coded_scale(d: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """int4k's group scale: fp16(d * code), as float32 (the kernels compute it the same way)."""
     return (d * code).half().float()
+
+
+LOW_BIT_BLOCK = 128  # int3k's and int2k's codes are laid out 128 inputs at a time
+LOW_BIT_GROUPS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class IntLowK(IntFormat, scheme="intk"):
+    """Below 4 bits (int3k-gG, int2k-gG): asymmetric b-bit codes with int4k's coded scales, each group's
+    scale code and zero point sharing one byte (c << b | z), so a group costs 8 bits besides its codes:
+    int3k-g32 is 3.25 bits per weight, int2k-g16 2.5 (llama.cpp's Q3_K 3.44, Q2_K 2.63)."""
+    symmetric: bool = False
+    lo = 0
+    default_group_size = 32
+
+    @classmethod
+    def code_max(cls) -> int:
+        return (1 << (8 - cls.bits)) - 1
+
+    @property
+    def name(self):
+        return f"int{self.bits}k-g{self.group_size}"
+
+    @classmethod
+    def parse(cls, name):
+        m = re.fullmatch(rf"int{cls.bits}k-g(\d+)", name)
+        return m and cls.make(int(m[1]), False)
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        if symmetric:
+            raise QliteError(f"int{cls.bits}k is asymmetric only")
+        if group_size not in LOW_BIT_GROUPS:
+            raise QliteError(f"int{cls.bits}k's group size is 16, 32, 64 or 128, not {group_size}")
+        return cls(group_size, False)
+
+    def check(self, in_features, where):
+        if in_features % LOW_BIT_BLOCK:
+            raise QliteError(f"int{self.bits}k takes input widths that are multiples of {LOW_BIT_BLOCK}; {where}'s is "
+                             f"{in_features}")
+
+    def stored_shapes(self, out_features, in_features):
+        return {"qweight": (torch.uint8, (out_features, self.bits * in_features // 8)),
+                "scales": (torch.uint8, (out_features, self.groups(in_features))),
+                "row_scales": (torch.float16, (out_features, 1))}
+
+    def in_features(self, shapes):
+        return shapes["scales"][1] * self.group_size
+
+    def row_scales(self, wg):  # as int4k's: rounded up so that no group's code passes code_max
+        return fp16_scale(asymmetric_range(wg, self.hi)[1].amax(-1, keepdim=True) / self.code_max() * (1 + 2.0 ** -10))
+
+    def search_scale(self, range_scale, rows):
+        return coded_scale(rows, torch.ceil(range_scale / rows).clamp(1, self.code_max()))
+
+    def grid(self, wg, rows=None):
+        lo, range_scale = asymmetric_range(wg, self.hi)
+        d = rows.reshape(rows.shape[0], *[1] * (range_scale.dim() - 1))  # (N, 1...) against (N, ...)
+        scale = self.search_scale(range_scale, d)
+        return scale, torch.round(-lo / scale).clamp(0, self.hi)
+
+    def encode(self, codes, scale, zero, rows=None):
+        code = torch.round(scale / rows).clamp(1, self.code_max()).to(torch.uint8)  # as int4k's
+        return {"qweight": pack_low_bits(codes.to(torch.uint8), self.bits),
+                "scales": (code << self.bits) | zero.to(torch.uint8), "row_scales": rows.half()}
+
+    def group_scales(self, stored):
+        return coded_scale(stored["row_scales"].float(), (stored["scales"] >> self.bits).float())
+
+    def dequantize(self, stored, in_features):
+        codes = unpack_low_bits(stored["qweight"], self.bits, in_features).float()
+        zeros = per_column((stored["scales"] & self.hi).float(), in_features)
+        return (codes - zeros) * per_column(self.group_scales(stored), in_features)
+
+    def check_stored(self, stored):
+        return "a scale code 0" if stored["scales"].numel() and bool(((stored["scales"] >> self.bits) == 0).any()) else None
+
+    @property
+    def act_aware(self):
+        return True
+
+
+@dataclass(frozen=True)
+class Int3K(IntLowK, scheme="intk", bits=3):
+    hi = 7
+
+
+@dataclass(frozen=True)
+class Int2K(IntLowK, scheme="intk", bits=2):
+    hi = 3
 
 
 # --- bitsandbytes' formats, quantized by bitsandbytes itself ------------------------------------------
@@ -637,6 +735,34 @@ class LLMInt8(Format, scheme="llm.int8", bits=8):
 
 
 # --- int4 packing ------------------------------------------------------------------------------
+
+def pack_low_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """b-bit codes uint8 [N, K] (b 2 or 3, K a multiple of 128) -> uint8 [N, b*K/8], 128 inputs at a time:
+    32 bytes of their low two bits (byte i: inputs i + 32t in bits 2t, 2t+1), then int3's 16 bytes of high
+    bits (byte i: input i + 16j in bit j)."""
+    N, K = codes.shape
+    by_32 = codes.reshape(N, K // LOW_BIT_BLOCK, 4, 32)  # (N, blocks, t, i): input 32t + i of a block
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)[:, None]  # (4, 1)
+    low = ((by_32 & 3) << shifts).sum(2, dtype=torch.uint8)  # (N, blocks, 32); disjoint bits: the sum is an OR
+    if bits == 3:
+        by_16 = codes.reshape(N, K // LOW_BIT_BLOCK, 8, 16)  # (N, blocks, j, i): input 16j + i
+        high = (((by_16 >> 2) & 1) << torch.arange(8, dtype=torch.uint8, device=codes.device)[:, None]).sum(2, dtype=torch.uint8)
+        low = torch.cat([low, high], dim=-1)  # (N, blocks, 48)
+    return low.reshape(N, -1)
+
+
+def unpack_low_bits(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """pack_low_bits' inverse: codes uint8 [N, K]."""
+    N, blocks = packed.shape[0], in_features // LOW_BIT_BLOCK
+    per_block = packed.reshape(N, blocks, -1)  # (N, blocks, 32 or 48)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device)[:, None]  # (4, 1)
+    codes = (per_block[:, :, None, :32] >> shifts) & 3  # (N, blocks, t, i)
+    if bits == 3:
+        bit = torch.arange(8, dtype=torch.uint8, device=packed.device)[:, None]  # (8, 1)
+        high = (per_block[:, :, None, 32:] >> bit) & 1  # (N, blocks, j, i): input 16j + i
+        codes = codes | (high.reshape(N, blocks, 4, 32) << 2)
+    return codes.reshape(N, in_features)
+
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [N, K] in 0..15 -> uint8 [N, ceil(K/2)]; an odd K gets a zero high nibble."""

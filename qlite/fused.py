@@ -21,7 +21,7 @@ _I, _L, _P = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
 
 class CProduct(ctypes.Structure):  # decode_step.h's qlite_product
     _fields_ = [("kind", _I), ("int4", _I), ("w", _P), ("scales", _P), ("row_scales", _P), ("zeros", _P), ("G", _L),
-                ("N", _L), ("K", _L), ("bias", _P)]
+                ("N", _L), ("K", _L), ("bias", _P), ("bits", _I)]
 
 
 class CLayer(ctypes.Structure):  # decode_step.h's qlite_layer

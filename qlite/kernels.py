@@ -16,6 +16,8 @@ needs and is called with the activations. backends.py says which kernels a backe
   weights int16 ones, at every row count, decode and prefill, so each row's result is the same at any row
   count (which the prompt cache needs: backends.exact_prefill). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
   vpmaddwd.
+- native-lowbit (CPU with AVX-512 BF16, or AVX2 + FMA): int3k / int2k with bf16 activations, as native's int4
+  (csrc/lowbit.h); a prefill dequantizes to bf16.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .formats import Int4, Int8, LLMInt8, NF4, load_bitsandbytes, nf4_codebook, unpack_int4
+from .formats import Int4, Int8, IntLowK, LLMInt8, NF4, load_bitsandbytes, nf4_codebook, unpack_int4
 from .qlinear import reference_linear
 
 
@@ -134,12 +136,14 @@ SCRATCH_MAX = 128 * 2**20  # elements: the largest bf16 weight kept for reuse be
 def dequantize_buffer(N: int, K: int) -> torch.Tensor:
     """A bf16 [N, K] to dequantize a weight into for one matmul: this thread's reused buffer (a fresh
     17 MB allocation per layer per prefill costs its page faults: 3 of every 4 prefill milliseconds on
-    the demo model), or a new tensor beyond SCRATCH_MAX."""
+    the demo model), or a new tensor beyond SCRATCH_MAX. Never an inference tensor, though made under
+    torch.inference_mode: a later call outside it (a layer with a bias that requires grad) could not use one."""
     if N * K > SCRATCH_MAX:
         return torch.empty(N, K, dtype=torch.bfloat16)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < N * K:
-        buf = _scratch.buf = torch.empty(N * K, dtype=torch.bfloat16)
+        with torch.inference_mode(False):
+            buf = _scratch.buf = torch.empty(N * K, dtype=torch.bfloat16)
     return buf[:N * K].view(N, K)
 
 
@@ -217,6 +221,22 @@ class NativeInt4(_Native):
         return (isinstance(layer.fmt, Int4) and layer.fmt.group_size % 64 == 0
                 and layer.in_features % layer.fmt.group_size == 0 and _on_cpu(layer)
                 and layer.fmt.groups(layer.in_features) <= native.MAX_GROUPS and native.library() is not None)
+
+
+class NativeLowBit(_Native):
+    """int3k / int2k: qlite's products with bf16 activations (float32 on AVX2), codes unpacked by a shift and a
+    mask 32 inputs at a time (csrc/lowbit.h); a prefill dequantizes to bf16 for one matmul."""
+    name = "native-lowbit"
+    prepare, dequantize = staticmethod(native.lowbit_product), staticmethod(native.dequantize_lowbit)
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return (isinstance(layer.fmt, IntLowK) and layer.in_features % native.CHUNK == 0 and _on_cpu(layer)
+                and layer.fmt.groups(layer.in_features) <= native.LOWBIT_MAX_GROUPS and native.library() is not None)
+
+    @staticmethod
+    def own_buffers(layer) -> dict:
+        return {**_Native.own_buffers(layer), "bits": layer.fmt.bits}
 
 
 def _vnni_fits(layer) -> bool:

@@ -34,6 +34,7 @@ ISAS = {  # name: (the CPU flags it needs, its source, its compiler flags), best
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector kernels
 MAX_GROUPS = 1024  # common.h's MAX_GROUPS
+LOWBIT_MAX_GROUPS = 2048  # common.h's LOWBIT_MAX_GROUPS
 CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -45,6 +46,8 @@ SIGNATURES = {
     "qlite_tile_codes": [_P, _P, _L, _L, _I, _I],
     "qlite_dequantize_int8": [_P, _P, _L, _L, _L, _P, _I],
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
+    "qlite_gemv_lowbit": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_dequantize_lowbit": [_P, _P, _P, _I, _L, _L, _L, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L, _I, _P, _P, _I],
@@ -60,6 +63,7 @@ PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's
     "qlite_gemv_int8": ("w", "scales", "G", "N", "K"),
     "qlite_gemv_int4": ("w", "scales", "row_scales", "zeros", "G", "N", "K"),
     "qlite_gemv_vnni": ("w", "scales", "row_scales", "zeros", "int4", "G", "N", "K"),
+    "qlite_gemv_lowbit": ("w", "scales", "row_scales", "bits", "G", "N", "K"),
 }
 
 
@@ -228,6 +232,36 @@ def int4_product(qweight, scales, zeros, bias32=None, row_scales=None) -> Produc
     return Product("qlite_gemv_int4", N, K, (qweight, scales, zeros, row_scales),
                    (qweight.data_ptr(), scales.data_ptr(), _ptr(row_scales), zeros.data_ptr(), scales.shape[1], N, K),
                    bias32)
+
+
+def lowbit_product(qweight, scales, row_scales, bits: int, bias32=None) -> Product:
+    """For int3k / int2k codes [N, bits K / 8] (formats.py's layout, 128 inputs a block), uint8 scale codes and zero
+    points [N, groups] and row_scales fp16 [N, 1]; bf16 activations (fp32 on AVX2)."""
+    N, K, G = qweight.shape[0], 8 * qweight.shape[1] // bits, scales.shape[-1]
+    _check_lowbit(qweight, scales, row_scales, bits)
+    return Product("qlite_gemv_lowbit", N, K, (qweight, scales, row_scales),
+                   (qweight.data_ptr(), scales.data_ptr(), row_scales.data_ptr(), bits, G, N, K), bias32)
+
+
+def dequantize_lowbit(qweight, scales, row_scales, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    N, K = qweight.shape[0], 8 * qweight.shape[1] // bits
+    _check_lowbit(qweight, scales, row_scales, bits)
+    out = _bf16_out(out, N, K)
+    library().qlite_dequantize_lowbit(qweight.data_ptr(), scales.data_ptr(), row_scales.data_ptr(), bits,
+                                      scales.shape[1], N, K, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _check_lowbit(qweight, scales, row_scales, bits: int) -> None:
+    _check_rule(bits in (2, 3), f"bits {bits}: int3k or int2k")
+    N, K = qweight.shape[0], 8 * qweight.shape[1] // bits
+    _check(qweight, torch.uint8, (N, K * bits // 8), "qweight")
+    _check(scales, torch.uint8, (N, scales.shape[-1]), "scales")
+    _check(row_scales, torch.float16, (N, 1), "row_scales")
+    G = scales.shape[1]
+    _check_rule(K % CHUNK == 0 and 0 < G <= LOWBIT_MAX_GROUPS and K % G == 0 and (K // G == 16 or (K // G) % 32 == 0),
+                f"{G} groups over {K} inputs (K a multiple of {CHUNK}, at most {LOWBIT_MAX_GROUPS} groups of 16 or a "
+                f"multiple of 32)")
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:

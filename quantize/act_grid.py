@@ -1,6 +1,6 @@
-"""Activation-aware grids for asymmetric int4 (int4-gG, int4k-gG): each group's scale and zero point
-chosen by what the group's rounding error does to the layer's outputs on the calibration inputs,
-instead of by the group's min-max range.
+"""Activation-aware grids for qlite's asymmetric integer formats (int4-gG, int4k-gG, int3k-gG, int2k-gG):
+each group's scale and zero point chosen by what the group's rounding error does to the layer's outputs
+on the calibration inputs, instead of by the group's min-max range.
 
 A group's weights w (G of them) and their rounded values w' change the outputs by (w - w') . x for
 inputs x, so over the calibration tokens the squared output error is (w - w')^T H_gg (w - w'), H_gg the
@@ -9,8 +9,8 @@ H's diagonal alone; the block keeps the correlations between a group's inputs, w
 difference on the demo model (the diagonal traded one built-in text for the other; the block lowers
 both). The search: scales from the min-max one down to SHRINK of it (a narrower grid clips the
 extremes and rounds the rest more finely), each with the min-max zero point, its neighbours, and the
-zero point that puts the group's maximum on the top code; the least error wins (min-max's grid on a tie). int4k's scales stay
-8-bit codes under the row's scale. Pure functions; quantize/calibrate.py runs them layer by layer on the
+zero point that puts the group's maximum on the top code; the least error wins (min-max's grid on a tie). The coded
+formats' scales stay codes under the row's scale. Pure functions; quantize/calibrate.py runs them layer by layer on the
 quantized model's own activations, as GPTQ."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def act_grid(fmt: IntFormat, wg: torch.Tensor, blocks: torch.Tensor, rows: torch
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) [N, groups] of weight groups wg (N, groups, G) with the least output error
     (w - w')^T B (w - w') for their Hessian blocks (groups, G, G); rows: int4k's row scales [N, 1]."""
-    lo, range_scale = asymmetric_range(wg)  # (N, groups)
+    lo, range_scale = asymmetric_range(wg, fmt.hi)  # (N, groups)
     hi = wg.amax(-1).clamp(min=0)
     best = None
     for shrink in SHRINK:

@@ -10,6 +10,7 @@
 #define TILE_AHEAD 8192  /* tiled codes (below): prefetch this many bytes ahead into L2; the hardware prefetchers
                           * alone streamed 7B's int4 down 0.63x and gate_up 0.92x as fast on Zen 4 */
 #define MAX_GROUPS 1024  /* K / group_size; native.py checks it */
+#define LOWBIT_MAX_GROUPS 2048  /* int3k / int2k (lowbit.h): K up to 32768 at groups of 16; native.py checks it */
 #define CHUNK 128  /* the integer-activation kernels take x and the groups in whole chunks of this many inputs */
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }

@@ -7,14 +7,15 @@
  * allocations per layer. A file defines INTEGER_PRODUCTS where it has qlite_gemv_vnni. */
 
 typedef struct {  /* one product, as native.Product holds it */
-    int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni) */
+    int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni), 4 int3k / int2k */
     int int4;  /* kind 3: int4 weights (else int8) */
     const void *w;
-    const void *scales;  /* fp16, or int4k's uint8 codes under row_scales */
-    const uint16_t *row_scales;  /* int4k: fp16 [N]; else NULL */
+    const void *scales;  /* fp16, or int4k's uint8 codes under row_scales (int3k / int2k: codes and zero points) */
+    const uint16_t *row_scales;  /* int4k, int3k, int2k: fp16 [N]; else NULL */
     const uint8_t *zeros;
     long G, N, K;
     const float *bias;
+    int bits;  /* kind 4 (qlite_gemv_lowbit): 3 or 2 */
 } qlite_product;
 
 typedef struct {  /* one SwiGLU's products (an expert's): gate|up as one product or two side by side, down */
@@ -54,6 +55,7 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
     case 3: qlite_gemv_vnni(x, M, p->w, p->scales, p->row_scales, p->zeros, p->int4, p->G, p->N, p->K, p->bias, y, 1,
                             threads); break;
 #endif
+    case 4: qlite_gemv_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1, threads); break;
     }
 }
 

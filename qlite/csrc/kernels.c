@@ -102,6 +102,56 @@ static inline uint16_t to_int4_act(uint16_t v) { return v; }
 #include "drivers.h"
 
 
+/* ---- int3k / int2k weights (lowbit.h) ------------------------------------------------------------------
+ * Per block of 128 inputs and weight row: the 32 low-bit bytes (and int3's 16 high-bit bytes, as [h, h >> 1]
+ * so that one shift by 2 t serves both halves) give the codes of inputs 32 t .. 32 t + 31 by a shift and a
+ * mask; each becomes the bf16 number q by a table lookup (vpermw: exact, and unlike int4_rows' 128 + q no
+ * cancellation of 128 sum x afterwards), one vdpbf16ps with 32 activations, then the group scales (two groups
+ * of 16 side by side in the lanes, or one). */
+typedef uint16_t lowbit_act;
+static inline uint16_t to_lowbit_act(uint16_t v) { return v; }
+
+static inline __attribute__((always_inline)) void lowbit_rows(
+        const uint16_t *x, float (*s32)[LOWBIT_MAX_GROUPS], const uint8_t *w, long row_bytes, const int bits, long K, long G,
+        const int nrows, float *out) {
+    long gsize = K / G, block_bytes = 16 * bits;
+    const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    const __m512i as_bf16 = _mm512_setr_epi32(0x3f800000, 0x40404000, 0x40a04080, 0x40e040c0, 0, 0, 0, 0,  /* bf16 0..7 */
+                                              0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 total[ROWS];
+    for (int r = 0; r < nrows; r++) total[r] = _mm512_setzero_ps();
+    for (long b = 0; b < K / 128; b++) {
+        __m512bh xv[4];
+        for (int t = 0; t < 4; t++) xv[t] = (__m512bh)_mm512_loadu_si512(x + 128 * b + 32 * t);
+        for (int r = 0; r < nrows; r++) {
+            const uint8_t *wr = w + r * row_bytes + b * block_bytes;
+            prefetch_ahead(wr, row_bytes);
+            __m256i low = _mm256_loadu_si256((const __m256i *)wr), high = _mm256_setzero_si256();
+            if (bits == 3) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(wr + 32));
+                high = _mm256_set_m128i(_mm_srli_epi16(h, 1), h);  /* inputs 16..31 of each 32: bit 2 t + 1 */
+            }
+            for (int t = 0; t < 4; t++) {
+                __m128i shift = _mm_cvtsi32_si128(2 * t);
+                __m256i q = _mm256_and_si256(_mm256_srl_epi16(low, shift), m3);
+                if (bits == 3)
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, shift), m1), 2));
+                __m512i q16 = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), as_bf16);
+                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q16, xv[t]);  /* lane l: inputs 2 l, 2 l + 1 */
+                long k0 = 128 * b + 32 * t;
+                __m512 sv = gsize >= 32 ? _mm512_set1_ps(s32[r][k0 / gsize])
+                                        : _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s32[r][k0 / 16]),
+                                                               _mm512_set1_ps(s32[r][k0 / 16 + 1]));
+                total[r] = _mm512_fmadd_ps(sv, dot, total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) out[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+#include "lowbit.h"
+
+
 /* ---- integer activations (VNNI): int4 and int8 weights in lanes (lanes.h) ------------------------------
  * llama.cpp's idea: quantize the activations of a decode step once, then multiply in integers. int4 weights
  * meet int8 activations (vpdpbusd), int8 weights int16 ones (vpdpwssd, s16 x s16: int8 activations cost int8

@@ -103,6 +103,55 @@ static inline float to_int4_act(uint16_t v) { return bf16_to_f32(v); }
 #include "drivers.h"
 
 
+/* ---- int3k / int2k weights (lowbit.h): kernels.c's shifts and masks give 32 inputs' codes, each 8 of them
+ * widened to fp32 and multiplied with fp32 activations (each product exact), then the group scales ---- */
+typedef float lowbit_act;
+static inline float to_lowbit_act(uint16_t v) { return bf16_to_f32(v); }
+
+static inline __m256 widen8(__m128i bytes) {  /* the low 8 bytes -> 8 fp32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
+static inline __attribute__((always_inline)) void lowbit_rows(
+        const float *x, float (*s32)[LOWBIT_MAX_GROUPS], const uint8_t *w, long row_bytes, const int bits, long K, long G,
+        const int nrows, float *out) {
+    long gsize = K / G, block_bytes = 16 * bits;
+    const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    __m256 total[ROWS];
+    for (int r = 0; r < nrows; r++) total[r] = _mm256_setzero_ps();
+    for (long b = 0; b < K / 128; b++) {
+        const float *xb = x + 128 * b;
+        for (int r = 0; r < nrows; r++) {
+            const uint8_t *wr = w + r * row_bytes + b * block_bytes;
+            _mm_prefetch((const char *)(wr + AHEAD * row_bytes), _MM_HINT_T0);
+            __m256i low = _mm256_loadu_si256((const __m256i *)wr), high = _mm256_setzero_si256();
+            if (bits == 3) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(wr + 32));
+                high = _mm256_set_m128i(_mm_srli_epi16(h, 1), h);  /* inputs 16..31 of each 32: bit 2 t + 1 */
+            }
+            for (int t = 0; t < 4; t++) {
+                __m128i shift = _mm_cvtsi32_si128(2 * t);
+                __m256i q = _mm256_and_si256(_mm256_srl_epi16(low, shift), m3);
+                if (bits == 3)
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, shift), m1), 2));
+                __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                const float *xt = xb + 32 * t;
+                __m256 first = _mm256_fmadd_ps(widen8(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xt + 8),
+                                               _mm256_mul_ps(widen8(q0), _mm256_loadu_ps(xt)));  /* inputs 0..15 */
+                __m256 second = _mm256_fmadd_ps(widen8(_mm_srli_si128(q1, 8)), _mm256_loadu_ps(xt + 24),
+                                                _mm256_mul_ps(widen8(q1), _mm256_loadu_ps(xt + 16)));  /* 16..31 */
+                long k0 = 128 * b + 32 * t;
+                total[r] = _mm256_fmadd_ps(_mm256_set1_ps(s32[r][k0 / gsize]), first, total[r]);
+                total[r] = _mm256_fmadd_ps(_mm256_set1_ps(s32[r][(k0 + 16) / gsize]), second, total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) out[r] = hsum(total[r]);
+}
+
+#include "lowbit.h"
+
+
 /* ---- integer activations: int4 and int8 weights in lanes (lanes.h) --------------------------------------
  * int4: kernels.c's numerics, the same integers from the same activations, so the same results bit for bit
  * (lanes.h's float steps, lane by lane); int8: lanes.h's own (int16 activations per span). */

@@ -5,12 +5,12 @@ import torch
 
 from qlite.fidelity import sqnr_db
 from qlite.errors import QliteError
-from qlite.formats import (REGISTRY, Int4, Int4K, Int8, coded_scale, format_for_fields, format_named, pack_int4,
-                           unpack_int4)
+from qlite.formats import (REGISTRY, Int2K, Int3K, Int4, Int4K, Int8, coded_scale, format_for_fields, format_named,
+                           pack_int4, pack_low_bits, unpack_int4, unpack_low_bits)
 
 # one of each family, and the int variants the kernels care about
 FORMAT_NAMES = ["int8", "int8-g128", "int4-g32", "int4-g64", "int4-g128", "int4-g128-sym", "int4k-g32", "int4k-g64",
-                "nf4-b64", "llm.int8"]
+                "int3k-g16", "int3k-g32", "int2k-g16", "int2k-g32", "nf4-b64", "llm.int8"]
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (16, 2), (7, 33), (4, 256)])
@@ -26,6 +26,23 @@ def test_every_nibble_pair_packs_to_its_byte():
     codes = torch.stack([lo.flatten(), hi.flatten()], dim=1).to(torch.uint8)  # (256, 2): all pairs
     assert pack_int4(codes)[:, 0].tolist() == [int(a) | int(b) << 4 for a, b in codes]
     assert torch.equal(unpack_int4(pack_int4(codes), 2), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_low_bit_codes_sit_where_the_layout_says_and_round_trip_exactly(bits):
+    """Each 128 inputs: 32 bytes, byte i with input i + 32t in bits 2t..2t+1; then int3's 16, byte i with
+    input i + 16j's high bit in bit j (read here bit by bit, not by the packer's own reshapes)."""
+    codes = torch.randint(0, 1 << bits, (3, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    packed = pack_low_bits(codes, bits)
+    assert packed.shape == (3, bits * 256 // 8)
+    per_block = 16 * bits
+    for r in range(3):
+        for c in range(256):
+            block, at = divmod(c, 128)
+            low = packed[r, block * per_block + at % 32] >> (2 * (at // 32)) & 3
+            high = packed[r, block * per_block + 32 + at % 16] >> (at // 16) & 1 if bits == 3 else 0
+            assert int(low) | int(high) << 2 == int(codes[r, c])
+    assert torch.equal(unpack_low_bits(packed, bits, 256), codes)
 
 
 def weights(n=512, k=1024, seed=0):
@@ -53,10 +70,13 @@ def test_stored_tensors_match_the_declared_layout_and_name(name):
 
 
 # Floors set a little under what random Gaussian weights measure (int8 42.1 dB per channel,
-# int4 asymmetric 21.8 / 20.8 / 19.9 dB at g32 / g64 / g128, symmetric g128 19.1 dB).
+# int4 asymmetric 21.8 / 20.8 / 19.9 dB at g32 / g64 / g128, symmetric g128 19.1 dB; int3k 16.4 / 15.1 dB at
+# g16 / g32, int2k 9.0 / 7.7 dB).
 @pytest.mark.parametrize("name, floor", [("int8", 40.0), ("int8-g128", 42.0), ("int4-g32", 21.0), ("int4-g64", 20.0),
                                          ("int4-g128", 19.0), ("int4-g128-sym", 18.5), ("int4k-g32", 21.0),
-                                         ("int4k-g64", 20.0), ("nf4-b64", 19.0), ("llm.int8", 40.0)])
+                                         ("int4k-g64", 20.0), ("nf4-b64", 19.0), ("llm.int8", 40.0),
+                                         ("int3k-g16", 16.0), ("int3k-g32", 14.7), ("int2k-g16", 8.7),
+                                         ("int2k-g32", 7.3)])
 def test_sqnr(name, floor):
     fmt, w = format_named(name), weights()
     assert sqnr_db(w, fmt.dequantize(fmt.quantize(w), w.shape[1])) >= floor
@@ -110,6 +130,30 @@ def test_format_table_bits_per_weight():
     assert Int4K(32).bits_per_weight(896) == pytest.approx(4 + 16 / 32 + 16 / 896)  # int4-g32: 4 + 24 / 32
     assert Int4K(64).bits_per_weight(896) == pytest.approx(4 + 16 / 64 + 16 / 896)
     assert format_named("nf4-b64").bits_per_weight(896) == pytest.approx(4 + 32 / 64)
+    assert Int3K(32).bits_per_weight(896) == pytest.approx(3 + 8 / 32 + 16 / 896)  # code and zero share a byte
+    assert Int2K(16).bits_per_weight(896) == pytest.approx(2 + 8 / 16 + 16 / 896)
+
+
+@pytest.mark.parametrize("fmt", [Int3K(32), Int2K(16)])
+def test_low_bit_groups_keep_their_range_and_store_what_they_stand_for(fmt):
+    """As int4k's: every scale code in 1..2^(8-b)-1 and zero point in the code range, each group's range
+    inside its grid (every weight within half a step), and the stored form exactly (q - z) * fp16(d * c)."""
+    w = weights(64, 1024) * torch.logspace(-3, 0, 32).repeat_interleave(32)[None, :]  # (64, 1024)
+    w[3] = 0  # an all-zero row
+    stored = fmt.quantize(w)
+    back = fmt.dequantize(stored, 1024)
+    code, zero = stored["scales"] >> fmt.bits, stored["scales"] & fmt.hi
+    assert code.min() >= 1 and code.max() <= (1 << (8 - fmt.bits)) - 1 and zero.max() <= fmt.hi
+    G = fmt.group_size
+    step = fmt.group_scales(stored)  # (64, 1024 / G)
+    assert ((w - back).abs().reshape(64, -1, G) <= step[..., None] * (0.5 + 2 ** -10)).all()
+    codes = unpack_low_bits(stored["qweight"], fmt.bits, 1024).float().reshape(64, -1, G)
+    want = (codes - zero.float()[..., None]) * coded_scale(stored["row_scales"].float(), code.float())[..., None]
+    assert torch.equal(back, want.reshape(64, 1024)) and not back[3].any() and step.shape == (64, 1024 // G)
+    assert fmt.check_stored(stored) is None
+    assert "scale code 0" in fmt.check_stored({**stored, "scales": stored["scales"] & fmt.hi})
+    with pytest.raises(QliteError, match="multiples of 128; m's is 96"):
+        fmt.check(96, "m")
 
 
 def test_int4k_costs_nothing_measurable_against_fp16_scales():
@@ -136,6 +180,8 @@ def test_int4k_costs_nothing_measurable_against_fp16_scales():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(scheme="int", bits=3, group_size=None, symmetric=False), "bits 3"),
+    (dict(scheme="intk", bits=3, group_size=8, symmetric=False), "16, 32, 64 or 128, not 8"),
+    (dict(scheme="intk", bits=2, group_size=16, symmetric=True), "asymmetric only"),
     (dict(scheme="int", bits=4, group_size=None, symmetric=False), "int4 needs a group size"),
     (dict(scheme="int", bits=4, group_size=0, symmetric=False), "group size 0"),
     (dict(scheme="fp8", bits=8, group_size=None, symmetric=False), "scheme 'fp8'"),

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from qlite import native
 from qlite.errors import QliteError
 from qlite.loader import load_model
-from qlite.formats import Int4, Int4K, Int8
+from qlite.formats import Int2K, Int3K, Int4, Int4K, Int8
 from qlite.decoder.ops import apply_rope
 from qlite.qlinear import QuantLinear
 from tiny_models import NATIVE_WIDTHS, PRIME_PROMPT, make_checkpoint
@@ -271,6 +271,51 @@ def test_int4k_products_are_the_int4_products_on_its_coded_scales(group_size, ro
         native.gemv_int4(x, q, fp16, z, b, d)
     with pytest.raises(ValueError, match="row_scales must be"):
         native.dequantize_int4(q, codes, z, d[:-1])
+
+
+@pytest.mark.parametrize("fmt", [Int3K(16), Int3K(32), Int3K(128), Int2K(16), Int2K(64)], ids=str)
+@pytest.mark.parametrize("rows, n", [(1, 37), (5, 64), (8, 9)])  # partial blocks of 4 weight rows, and none
+def test_lowbit_products_match_the_dequantized_matmul(fmt, rows, n):
+    """int3k / int2k: the product with bf16 activations is the matmul with the dequantized weight (up to the
+    order of fp32 sums), and dequantization to bf16 is exact; every group size, rows of very different ranges."""
+    K = 384  # three blocks of 128
+    w = torch.randn(n, K, generator=gen(0)) * torch.logspace(-3, 0, n)[:, None]
+    stored = fmt.quantize(w)
+    q, scales, d = stored["qweight"], stored["scales"], stored["row_scales"]
+    x = torch.randn(rows, K, generator=gen(1)) * 3
+    b = torch.randn(n, generator=gen(2))
+    want = F.linear(x.bfloat16().float(), fmt.dequantize(stored, K), b)
+    assert rel_err(native.lowbit_product(q, scales, d, fmt.bits, b)(x), want) < 1e-5
+    assert rel_err(native.lowbit_product(q, scales, d, fmt.bits, b)(x.bfloat16()).float(), want) < 1e-2
+    assert torch.equal(native.dequantize_lowbit(q, scales, d, fmt.bits), fmt.dequantize(stored, K).bfloat16())
+    with pytest.raises(ValueError, match="row_scales must be"):
+        native.lowbit_product(q, scales, d[:-1], fmt.bits)
+    with pytest.raises(ValueError, match="qweight must be"):
+        native.lowbit_product(q[:, :-1], scales, d, fmt.bits)
+
+
+def test_a_lowbit_model_runs_on_its_native_products(tmp_path, monkeypatch):
+    """A checkpoint quantized to int3k runs every linear on NativeLowBit: a few rows (the product) and a prefill
+    (dequantize + matmul) give the reference kernel's logits up to bf16 rounding, and it generates (decode steps
+    in the fused C call)."""
+    from qlite import kernels
+    from qlite.pipeline import load
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path / "src", seed=4, **NATIVE_WIDTHS)
+    out = convert(src, tmp_path / "q", scheme="intk", bits=3, group_size=32, lm_head_bits=16, progress=False,
+                  report=False).out_dir
+    fast, ref = load_model(out), load_model(out, kernel="reference")
+    names = {m.kernel.name for m in fast.modules() if isinstance(m, QuantLinear)}
+    assert names == {"native-lowbit"}, names
+    for length in (5, 40):  # at most native.MAX_ROWS rows: the product; more: a prefill
+        ids = torch.randint(0, 500, (1, length), generator=gen(length))
+        with torch.no_grad():
+            assert rel_err(fast(ids).float(), ref(ids).float()) < 2e-2
+    monkeypatch.setattr(kernels._scratch, "buf", None, raising=False)
+    with torch.inference_mode():  # the prefill's scratch buffer made here, then used outside (biases need grad)
+        fast(ids)
+    assert torch.isfinite(fast(ids)).all()
+    assert load(out).generate("the quick brown", chat=False, max_new_tokens=6)
 
 
 def assert_bf16_close(got, want):

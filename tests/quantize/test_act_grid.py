@@ -5,11 +5,11 @@ format's stored form exactly."""
 import pytest
 import torch
 
-from qlite.formats import Int4, Int4K, Int8, SCALE_CODE_MAX, round_to_grid
+from qlite.formats import Int2K, Int3K, Int4, Int4K, Int8, SCALE_CODE_MAX, round_to_grid
 from quantize.act_grid import SHRINK, act_grid, act_quantize, group_blocks
 from quantize.gptq import hessian_of
 
-ACT_FORMATS = [Int4(32), Int4(128), Int4K(32), Int4K(64)]
+ACT_FORMATS = [Int4(32), Int4(128), Int4K(32), Int4K(64), Int3K(32), Int2K(16)]
 
 
 def correlated_inputs(n, k, seed=1):
@@ -45,7 +45,7 @@ def test_output_error_never_above_min_max_and_lower_overall(fmt):
     # measured 0.56-0.67 of min-max's here
 
 
-@pytest.mark.parametrize("fmt", [Int4(16), Int4K(16)], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [Int4(16), Int4K(16), Int3K(16), Int2K(16)], ids=lambda f: f.name)
 def test_each_group_gets_its_best_candidate(fmt):
     """Every group's chosen grid has the least error over the candidate family, each candidate's error
     computed from the inputs directly (no Hessian blocks) in a plain loop."""
@@ -54,6 +54,8 @@ def test_each_group_gets_its_best_candidate(fmt):
     wg = w.reshape(n_out, k // 16, 16)
     rows = fmt.row_scales(wg)
     scale, zero = act_grid(fmt, wg, group_blocks(h, 16, 0.0), rows)
+    top = (1 << fmt.bits) - 1  # the largest code
+    code_max = SCALE_CODE_MAX if isinstance(fmt, Int4K) else (1 << (8 - fmt.bits)) - 1  # coded scales' codes
 
     def error(r, g, s, z):
         q = round_to_grid(wg[r, g], s, z, fmt.lo, fmt.hi)
@@ -64,15 +66,15 @@ def test_each_group_gets_its_best_candidate(fmt):
             lo, hi = wg[r, g].min().clamp(max=0), wg[r, g].max().clamp(min=0)
             best = error(r, g, scale[r, g], zero[r, g])
             for shrink in SHRINK:
-                if isinstance(fmt, Int4K):
+                if rows is not None:
                     d = rows[r, 0]
-                    code = torch.ceil((hi - lo) / 15 * shrink / d).clamp(1, SCALE_CODE_MAX)
+                    code = torch.ceil((hi - lo) / top * shrink / d).clamp(1, code_max)
                     s = (d * code).half().float()
                 else:
-                    s = ((hi - lo) / 15 * shrink).clamp(min=2.0 ** -24).half().float()
+                    s = ((hi - lo) / top * shrink).clamp(min=2.0 ** -24).half().float()
                 z = torch.round(-lo / s)
-                for zc in (z - 1, z, z + 1, torch.round(15 - hi / s)):
-                    assert best <= error(r, g, s, zc.clamp(0, 15)) * (1 + 1e-5)
+                for zc in (z - 1, z, z + 1, torch.round(top - hi / s)):
+                    assert best <= error(r, g, s, zc.clamp(0, top)) * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("fmt", ACT_FORMATS, ids=lambda f: f.name)
@@ -84,7 +86,7 @@ def test_stored_form(fmt, monkeypatch):
     assert all(torch.equal(v, act_quantize(w, h, fmt)[k]) for k, v in stored.items())
     shapes = fmt.stored_shapes(*w.shape)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in stored.items()} == shapes
-    assert int(stored["zeros"].max()) <= 15
+    assert fmt.check_stored(stored) is None  # zero points in the code range, no scale code 0
     if isinstance(fmt, Int4K):
         assert 1 <= int(stored["scales"].min()) and int(stored["scales"].max()) <= SCALE_CODE_MAX
 

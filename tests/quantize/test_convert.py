@@ -207,11 +207,14 @@ def run_cli(capsys, *args):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--bits", "3"], "--bits': '3' is not one of"),
+    (["--bits", "5"], "--bits': '5' is not one of"),
+    (["--bits", "3"], "--bits 3: --format int has 4, 8 bits"),
+    (["--format", "intk", "--bits", "3", "--group-size", "48"], "16, 32, 64 or 128, not 48"),
+    (["--format", "intk", "--bits", "2"], "multiples of 128"),
     (["--group-size", "0"], "--group-size': 0 is not >= 1"),
     (["--group-size", "100"], "--group-size: group size 100 does not divide"),
     (["--bits", "8", "--lm-head-bits", "2"], "--lm-head-bits"),
-    (["--format", "intk", "--bits", "8"], "--bits 8: --format intk has 4 bits"),
+    (["--format", "intk", "--bits", "8"], "--bits 8: --format intk has 2, 3, 4 bits"),
     (["--format", "intk", "--symmetric"], "int4k is asymmetric only"),
     (["--method", "act-rtn", "--act-order"], "--act-order: a GPTQ setting"),
     (["--method", "act-rtn", "--format", "nf4"], "--method act-rtn makes qlite's int formats"),

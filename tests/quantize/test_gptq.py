@@ -3,11 +3,11 @@ where a format has no act grid), and beats RTN on correlated inputs."""
 import pytest
 import torch
 
-from qlite.formats import Int4, Int4K, Int8
+from qlite.formats import Int2K, Int3K, Int4, Int4K, Int8
 from quantize.act_grid import act_quantize
 from quantize.gptq import Hessian, gptq_linear, hessian_of
 
-FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int4(256)]
+FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int3K(32), Int2K(16), Int4(256)]
 
 
 def dequantized(stored, fmt, n, k):
@@ -33,7 +33,7 @@ def correlated_inputs(n, k, seed=1):
     return (torch.randn(n, k, generator=g) @ mix) * scales
 
 
-@pytest.mark.parametrize("fmt", FORMATS[:4], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS[:6], ids=lambda f: f.name)
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_output_error_is_lower_than_rtn(fmt, act_order):
     n_out, k = 64, 256
