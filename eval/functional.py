@@ -80,6 +80,11 @@ def text_fidelity(baseline: Path, model_dirs: list[Path], chunks: int, dtype: st
     return [by_model[d.name] for d in model_dirs]
 
 
+def row_label(row: CodeRow) -> str:
+    """A row's name in tables and plots: a GGUF's llama.cpp type (llama.cpp Q4_0), else the model's name."""
+    return row.text.get("format", row.model) if row.model.endswith(".gguf") and row.text else row.model
+
+
 def functional_table(rows: list[CodeRow]) -> str:
     """Pass rate, paired difference and the two KLDs of each model beside its size (the baseline first)."""
     head = ("| model | bits/w | MiB | passed | pass rate | vs baseline: +won / -lost | difference | KLD on the "
@@ -89,7 +94,7 @@ def functional_table(rows: list[CodeRow]) -> str:
         text = r.text
         size = f"{text['bits_per_weight']:.2f} | {text['mib']:.0f}" if text else " | "
         klds = " | ".join(f"{text[t]['kld_mean']:.4f}" if t in text else "" for t in TEXTS)
-        lines.append(f"| {r.model} | {size} | {r.compared()} | {klds} |")
+        lines.append(f"| {row_label(r)} | {size} | {r.compared()} | {klds} |")
     lines += ["", f"{len(rows[0].results)} tasks, greedy chat answers; the code of each answer runs against the "
               "task's hidden tests in a sandbox. ± is one standard error; the difference is paired (the same "
               "tasks). KLD on the baseline's answers: KL(baseline || model) per token, in nats, both reading the "
@@ -127,7 +132,7 @@ def plot(rows: list[CodeRow], png: Path) -> dict:
     """The frontier of the models with their size and text KLD measured, with a pass-rate panel."""
     from .plots import Point, frontier
 
-    points = [Point(r.model.removesuffix(".gguf"), r.text["mib"], {t: r.text[t]["kld_mean"] for t in TEXTS},
+    points = [Point(row_label(r), r.text["mib"], {t: r.text[t]["kld_mean"] for t in TEXTS},
                     llama_cpp=r.model.endswith(".gguf"), pass_diff=100 * r.paired["diff"])
               for r in rows[1:] if r.text]
     return frontier(points, png, title=f"{len(rows[0].results)} code tasks: {rows[0].model} "

@@ -59,10 +59,10 @@ def frontier(points: list[Point], path: Path, texts=("code", "prose"), title: st
         ax.grid(alpha=0.3)
         result[panel] = drawn(ax)
     handles = [plt.Line2D([], [], color=QLITE, marker="o", ls=""), plt.Line2D([], [], color=LLAMA, marker="s", ls="")]
-    fig.legend(handles, ["qlite", "llama.cpp"], loc="upper right")
+    fig.legend(handles, ["qlite", "llama.cpp"], loc="lower center", ncol=2)  # below the panels: over none of them
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return result

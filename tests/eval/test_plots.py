@@ -47,6 +47,7 @@ def test_the_functional_run_draws_size_kld_and_pass_rate(tmp_path):
     text = {"mib": 338, "code": {"kld_mean": 0.06}, "prose": {"kld_mean": 0.16}}
     rows = [row("demo", [True, True, False, False], {}),
             row("q4", [True, False, False, False], text, {"diff": -0.25}),
-            row("m-q4_0.gguf", [True, True, False, False], {**text, "mib": 409}, {"diff": 0.0})]
+            row("m-q4_0.gguf", [True, True, False, False], {**text, "mib": 409, "format": "llama.cpp Q4_0"}, {"diff": 0.0})]
     drawn = functional.plot(rows, tmp_path / "f.png")
     assert drawn["pass"] == [(338, -25.0), (409, 0.0)] and drawn["code"] == [(338, 0.06), (409, 0.06)]
+    assert [functional.row_label(r) for r in rows] == ["demo", "q4", "llama.cpp Q4_0"]  # a GGUF by its type
