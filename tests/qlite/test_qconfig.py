@@ -93,7 +93,7 @@ def test_module_formats_take_precedence_and_round_trip():
     ({"format_version": 3, "module_formats": {"lm_head": "int8"}}, "module_formats must map decoder linears"),
     ({"format_version": 3, "module_formats": {"model.layers.0.mlp.down_proj": "int9"}}, "format 'int9': unknown"),
     ({"quant_method": "awq"}, "quantization method 'awq'"),
-    ({"bits": 5}, "c.json: bits 5: qlite quantizes"),
+    ({"bits": 5}, "c.json: bits 5: the int scheme has 4 and 8 bits"),
     ({"bits": "x"}, "quantization_config: bits must be an integer, got .x."),
     ({"bits": 4.0}, "bits must be an integer"),
     ({"symmetric": "false"}, "symmetric must be true or false"),
