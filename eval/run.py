@@ -113,7 +113,8 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
               for d in model_dirs}
     named = len(kv_caches) > 1 or tuple(kv_caches) != ("bf16",)
     # (row name, dir, model, kv cache bits or None for a GGUF)
-    variants = [(d.name + (f" kv {kv}" if named else ""), d, loaded[d], None if is_gguf(d) else KV_KINDS[kv])
+    label = row_names(model_dirs)
+    variants = [(label[d] + (f" kv {kv}" if named else ""), d, loaded[d], None if is_gguf(d) else KV_KINDS[kv])
                 for d in model_dirs for kv in ((None,) if is_gguf(d) else kv_caches)]
     described = {d: describe_model(d) for d in model_dirs}
     rows = []
@@ -140,6 +141,20 @@ def evaluate(model_dirs, baseline, data=("code", "prose"), ctx: int = 512, max_c
         for name, d, *_ in variants:
             rows.append(Row(name, *described[d], source, fidelity[name].summary()))
     return rows
+
+
+def row_names(model_dirs: list[Path]) -> dict[Path, str]:
+    """Each model's row name: its dir's name, or as many of its last path parts as tell it from another model of
+    the same name (rows are scored by name: two models called alike would share one row's numbers)."""
+    names = {}
+    for d in model_dirs:
+        parts = d.resolve().parts
+        for n in range(1, len(parts) + 1):
+            name = "/".join(parts[-n:])
+            if not any(o.resolve() != d.resolve() and "/".join(o.resolve().parts[-n:]) == name for o in model_dirs):
+                break
+        names[d] = name
+    return names
 
 
 def score_blocks(base, variants, ids: torch.Tensor, fidelity: dict) -> None:

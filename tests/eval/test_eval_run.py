@@ -29,6 +29,19 @@ def test_self_is_perfect_and_quantized_is_worse(base_and_quant):
     assert q_row.metrics["kld_mean"] > 1e-4 and q_row.bits_per_weight == pytest.approx(4 + 24 / 32)
 
 
+def test_models_of_the_same_name_keep_their_own_rows(base_and_quant, tmp_path):
+    """Two checkpoints whose dirs share a name (a/q and b/q) each get their own row and numbers: rows are scored by
+    name, and they once shared one (the later model's numbers in both rows)."""
+    base, quant, text = base_and_quant
+    import shutil
+    shutil.copytree(base, tmp_path / "a" / "q")  # the baseline itself: KLD 0
+    shutil.copytree(quant, tmp_path / "b" / "q")
+    rows = evaluate([tmp_path / "a" / "q", tmp_path / "b" / "q"], base, data=[str(text)], ctx=32, max_chunks=2,
+                    dtype="float32", progress=False)
+    assert [r.model for r in rows] == ["a/q", "b/q"]
+    assert rows[0].metrics["kld_mean"] == pytest.approx(0, abs=1e-6) and rows[1].metrics["kld_mean"] > 1e-4
+
+
 def test_cli_writes_table_and_json(capsys, base_and_quant, tmp_path):
     base, quant, text = base_and_quant
     code = main(["eval", str(quant), "--baseline", str(base), "--data", str(text), "--ctx", "32", "--max-chunks", "2",
