@@ -499,8 +499,30 @@ def asymmetric_range(wg: torch.Tensor, top: int = 15) -> tuple[torch.Tensor, tor
     return lo, (hi - lo) / top
 
 
+class CodedScales:
+    """The grids of the formats whose group scales are codes c in 1..code_max() under one fp16 scale d per row
+    (int4k, int3k, int2k): d is the row's largest min-max scale over code_max(), rounded up to fp16 (by 2^-10
+    first) so that no group's code passes code_max(); each group's c is rounded up, so its range still fits."""
+
+    @classmethod
+    def code_max(cls) -> int:
+        return SCALE_CODE_MAX
+
+    def row_scales(self, wg):
+        return fp16_scale(asymmetric_range(wg, self.hi)[1].amax(-1, keepdim=True) / self.code_max() * (1 + 2.0 ** -10))
+
+    def search_scale(self, range_scale, rows):
+        return coded_scale(rows, torch.ceil(range_scale / rows).clamp(1, self.code_max()))
+
+    def grid(self, wg, rows=None):
+        lo, range_scale = asymmetric_range(wg, self.hi)
+        d = rows.reshape(rows.shape[0], *[1] * (range_scale.dim() - 1))  # (N, 1...) against (N, ...)
+        scale = self.search_scale(range_scale, d)
+        return scale, torch.round(-lo / scale).clamp(0, self.hi)
+
+
 @dataclass(frozen=True)
-class Int4K(Int4, scheme="intk", bits=4):
+class Int4K(CodedScales, Int4, scheme="intk", bits=4):
     """int4 whose group scales are quantized too (llama.cpp's k-quant idea): scale s = fp16(d * c), c an
     8-bit code in 1..SCALE_CODE_MAX, d one fp16 scale per row; zero points and codes as asymmetric int4's.
     d is the row's largest min-max scale over SCALE_CODE_MAX, and each c is rounded up, so every group's
@@ -530,16 +552,6 @@ class Int4K(Int4, scheme="intk", bits=4):
         shapes["scales"] = (torch.uint8, shapes["scales"][1])
         return {**shapes, "row_scales": (torch.float16, (out_features, 1))}
 
-    def row_scales(self, wg):
-        # rounded up to fp16 (by 2^-10 first), so that no group's code exceeds SCALE_CODE_MAX
-        return fp16_scale(asymmetric_range(wg)[1].amax(-1, keepdim=True) / SCALE_CODE_MAX * (1 + 2.0 ** -10))
-
-    def grid(self, wg, rows=None):
-        lo, range_scale = asymmetric_range(wg)
-        d = rows.reshape(rows.shape[0], *[1] * (range_scale.dim() - 1))  # (N, 1...) against (N, ...)
-        scale = coded_scale(d, torch.ceil(range_scale / d).clamp(1, SCALE_CODE_MAX))
-        return scale, torch.round(-lo / scale).clamp(0, 15)
-
     def encode(self, codes, scale, zero, rows=None):
         stored = super().encode(codes, scale, zero)
         # scale = fp16(d c) is within 2^-11 of d c, so the code is the nearest integer to scale / d
@@ -548,9 +560,6 @@ class Int4K(Int4, scheme="intk", bits=4):
 
     def group_scales(self, stored):
         return coded_scale(stored["row_scales"].float(), stored["scales"].float())
-
-    def search_scale(self, range_scale, rows):
-        return coded_scale(rows, torch.ceil(range_scale / rows).clamp(1, SCALE_CODE_MAX))
 
     def from_affine(self, u, scales, zu, where):
         raise QliteError(f"{where}: format {self.name} is not imported (a peer's int4 is int4-gG)")
@@ -570,7 +579,7 @@ LOW_BIT_GROUPS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
-class IntLowK(IntFormat, scheme="intk"):
+class IntLowK(CodedScales, IntFormat, scheme="intk"):
     """Below 4 bits (int3k-gG, int2k-gG): asymmetric b-bit codes with int4k's coded scales, each group's
     scale code and zero point sharing one byte (c << b | z), so a group costs 8 bits besides its codes:
     int3k-g32 is 3.25 bits per weight, int2k-g16 2.5 (llama.cpp's Q3_K 3.44, Q2_K 2.63)."""
@@ -579,7 +588,7 @@ class IntLowK(IntFormat, scheme="intk"):
     default_group_size = 32
 
     @classmethod
-    def code_max(cls) -> int:
+    def code_max(cls) -> int:  # the scale code's bits: those the zero point leaves of its byte
         return (1 << (8 - cls.bits)) - 1
 
     @property
@@ -612,20 +621,8 @@ class IntLowK(IntFormat, scheme="intk"):
     def in_features(self, shapes):
         return shapes["scales"][1] * self.group_size
 
-    def row_scales(self, wg):  # as int4k's: rounded up so that no group's code passes code_max
-        return fp16_scale(asymmetric_range(wg, self.hi)[1].amax(-1, keepdim=True) / self.code_max() * (1 + 2.0 ** -10))
-
-    def search_scale(self, range_scale, rows):
-        return coded_scale(rows, torch.ceil(range_scale / rows).clamp(1, self.code_max()))
-
-    def grid(self, wg, rows=None):
-        lo, range_scale = asymmetric_range(wg, self.hi)
-        d = rows.reshape(rows.shape[0], *[1] * (range_scale.dim() - 1))  # (N, 1...) against (N, ...)
-        scale = self.search_scale(range_scale, d)
-        return scale, torch.round(-lo / scale).clamp(0, self.hi)
-
     def encode(self, codes, scale, zero, rows=None):
-        code = torch.round(scale / rows).clamp(1, self.code_max()).to(torch.uint8)  # as int4k's
+        code = torch.round(scale / rows).clamp(1, self.code_max()).to(torch.uint8)  # as int4k's encode
         return {"qweight": pack_low_bits(codes.to(torch.uint8), self.bits),
                 "scales": (code << self.bits) | zero.to(torch.uint8), "row_scales": rows.half()}
 

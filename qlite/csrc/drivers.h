@@ -55,11 +55,21 @@ static inline const uint16_t *block_fp16_scales(const void *scales, const uint16
     return room;
 }
 
+/* xsum [G]: the sums of one activation row x bf16 [K] over each of its G groups (the zero points' term) */
+static void group_sums(const uint16_t *x, long K, long G, float *xsum) {
+    long gsize = K / G;
+    for (long g = 0; g < G; g++) {
+        float s = 0.f;
+        for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[k]);
+        xsum[g] = s;
+    }
+}
+
 /* int4 weights with bf16 activations: w uint8 [N, K/2], zeros uint8 [N, G], scales fp16 [N, G] (int4k: uint8
  * codes under row_scales, block_fp16_scales) */
 void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
-    long half = K / 2, gsize = K / G;
+    long half = K / 2;
     int4_act *xe = malloc(sizeof(int4_act) * M * K);  /* (M, 2, K/2): even then odd activations */
     float *xsum = malloc(sizeof(float) * M * G);
     for (long m = 0; m < M; m++) {
@@ -67,11 +77,7 @@ void qlite_gemv_int4(const uint16_t *x, long M, const uint8_t *w, const void *sc
             xe[m * K + i] = to_int4_act(x[m * K + 2 * i]);
             xe[m * K + half + i] = to_int4_act(x[m * K + 2 * i + 1]);
         }
-        for (long g = 0; g < G; g++) {
-            float s = 0.f;
-            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
-            xsum[m * G + g] = s;
-        }
+        group_sums(x + m * K, K, G, xsum + m * G);
     }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {

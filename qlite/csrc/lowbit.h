@@ -37,16 +37,12 @@ static inline __attribute__((always_inline)) void lowbit_block(
 /* x bf16 [M, K] -> y [M, N] (+ bias) */
 void qlite_gemv_lowbit(const uint16_t *x, long M, const uint8_t *w, const uint8_t *scales, const uint16_t *row_scales,
                        int bits, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
-    long gsize = K / G, row_bytes = K / 8 * bits;
+    long row_bytes = K / 8 * bits;
     lowbit_act *xa = malloc(sizeof(lowbit_act) * M * K);
     float *xsum = malloc(sizeof(float) * M * G);
     for (long m = 0; m < M; m++) {
         for (long k = 0; k < K; k++) xa[m * K + k] = to_lowbit_act(x[m * K + k]);
-        for (long g = 0; g < G; g++) {
-            float s = 0.f;
-            for (long k = g * gsize; k < (g + 1) * gsize; k++) s += bf16_to_f32(x[m * K + k]);
-            xsum[m * G + g] = s;
-        }
+        group_sums(x + m * K, K, G, xsum + m * G);  /* drivers.h */
     }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n += ROWS) {
