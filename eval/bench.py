@@ -212,23 +212,30 @@ def interleaved(jobs: list, rounds: int) -> list:
 def decode_bytes(spec: dict) -> int:
     """Weight bytes one decode step reads: every tensor but the embedding (one row of it is read)
     unless the head is the embedding table itself (tied, no head of its own), at the dtype the engine
-    runs them in."""
+    runs them in; a mixture's experts by the share of them a token chooses (k of E: uniform routing)."""
     path = Path(spec["path"])
     if spec["engine"] == "llama.cpp":
         from gguf import GGUFReader
-        tensors = GGUFReader(path).tensors
-        own_head = any(t.name == "output.weight" for t in tensors)
-        return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or not own_head)
+        reader = GGUFReader(path)
+        field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+        arch = field("general.architecture")
+        used, count = field(f"{arch}.expert_used_count"), field(f"{arch}.expert_count")
+        share = used / count if used and count else 1.0
+        own_head = any(t.name == "output.weight" for t in reader.tensors)
+        return round(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in reader.tensors
+                         if t.name != "token_embd.weight" or not own_head))
     from qlite.checkpoint import CheckpointDir
     ckpt = CheckpointDir(path)
     own_head = any(n.startswith("lm_head.") for n in ckpt.tensors) or not ckpt.config.tie_word_embeddings
     run_fp32 = spec.get("dtype") in ("float32", "fp32")
-    total = 0
+    experts = ckpt.config.experts
+    share = 1.0 if experts is None else experts.per_token / experts.count
+    total = 0.0
     for name, t in ckpt.tensors.items():
         if name.startswith("model.embed_tokens.") and own_head:
             continue
-        total += t.nbytes * (2 if run_fp32 and t.dtype in ("F16", "BF16") else 1)
-    return total
+        total += t.nbytes * (2 if run_fp32 and t.dtype in ("F16", "BF16") else 1) * (share if ".mlp.experts." in name else 1.0)
+    return round(total)
 
 
 def size_on_disk(path: Path) -> int:

@@ -183,6 +183,11 @@ class _Native:
         for buffer in self.copies if self.release else ():
             self.release(getattr(self.layer, buffer))
 
+    def unbuild(self) -> None:
+        """A deferred kernel's buffers let go (made again on next use)."""
+        if self.deferred:
+            self.stored, self._product = None, None
+
     @property
     def product(self) -> native.Product:
         if self._product is None:

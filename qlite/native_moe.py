@@ -3,11 +3,16 @@ router's product, each token's top k, each chosen expert once over the tokens th
 and the shared expert, with the products the layers' kernels hold (fused.py's descriptors). NativeOps runs
 it for decoder/mlp.py's SparseMLP, and the fused decode step calls the same function, so the two agree bit
 for bit. An expert whose kernel is deferred (backends.use_backend: its codes tiled when first used) is made
-when a token first chooses it, through a callback from C: an expert never chosen is never read."""
+when a token first chooses it, through a callback from C: an expert never chosen is never read. Under
+`tiled_experts_within(nbytes)` the experts made are kept to about that many bytes (one layer's always whole):
+the least recently made, of other layers, are let go and made again when chosen (the quantization report's
+forward, which would otherwise tile every expert of the model, holds one layer's at a time)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+from collections import OrderedDict
 
 import torch
 
@@ -53,6 +58,48 @@ def runs_natively(expert, hidden: int) -> bool:
             == (hidden, inter) and inter % 32 == 0)
 
 
+class TiledExperts:
+    """Under a budget, the experts made (their kernels' buffers: tiled codes, ...), oldest first, and the bytes
+    they hold; making one lets go of the oldest of other layers until the rest fit."""
+
+    def __init__(self):
+        self.made: OrderedDict[tuple[NativeSparseMLP, int], int] = OrderedDict()
+        self.budget: int | None = None
+
+    def add(self, mlp: NativeSparseMLP, e: int, nbytes: int) -> None:
+        if self.budget is None:  # kept for the model's life, as its other layers' buffers are
+            return
+        self.made[(mlp, e)] = nbytes
+        held = sum(self.made.values())
+        for key in [k for k in self.made if k[0] is not mlp]:  # C may be using this layer's other experts
+            if held <= self.budget:
+                break
+            held -= self.made.pop(key)
+            key[0].let_go(key[1])
+
+
+TILED = TiledExperts()
+
+
+@contextlib.contextmanager
+def tiled_experts_within(nbytes: int):
+    """Experts made while inside keep to about nbytes (see the module docstring); on leaving, every expert
+    made inside is let go (the model may live on: they are made again when chosen)."""
+    before, TILED.budget = TILED.budget, nbytes
+    try:
+        yield
+    finally:
+        TILED.budget = before
+        for mlp, e in list(TILED.made):
+            mlp.let_go(e)
+        TILED.made.clear()
+
+
+def expert_kernels(expert) -> list:
+    parts = expert.gate_up_proj.values() if hasattr(expert.gate_up_proj, "values") else [expert.gate_up_proj]
+    return [p.kernel for p in (*parts, expert.down_proj)]
+
+
 class NativeSparseMLP:
     """One SparseMLP's C description, made once the layer's kernels are set; call it with bf16 tokens."""
 
@@ -84,9 +131,17 @@ class NativeSparseMLP:
     def _make(self, layer: int, e: int) -> int:
         try:
             self.experts[e] = c_expert(self.mlp.experts[e])
+            TILED.add(self, e, sum(t.nbytes for k in expert_kernels(self.mlp.experts[e])
+                                   for t in k.stored.values() if isinstance(t, torch.Tensor)))
             return 0
         except Exception:  # reported by the caller: C returns -1
             return 1
+
+    def let_go(self, e: int) -> None:
+        """Expert e back to not made: C makes it again when a token chooses it (never while C runs this layer)."""
+        self.experts[e] = CExpert()
+        for kernel in expert_kernels(self.mlp.experts[e]):
+            kernel.unbuild()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, hidden) bf16 rows (normed) -> the sparse MLP's output (N, hidden)."""

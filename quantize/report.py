@@ -21,6 +21,7 @@ from qlite.checkpoint import CheckpointDir
 from qlite.fidelity import Fidelity, chunk_tokens, token_stats
 from qlite.info import REPORT_NAME
 from qlite.loader import load_model
+from qlite.native_moe import tiled_experts_within
 from qlite.qconfig import EMBEDDINGS
 from qlite.texts import load_text
 from qlite.tokenizer import Tokenizer
@@ -30,6 +31,7 @@ REPORT_VERSION = 1
 TEXTS = ("code", "prose")  # eval's built-in texts
 CHUNKS, CTX = 2, 512  # per text: 2 x 512 tokens (ctx capped at the model's context)
 ROWS = 128  # tokens whose vocabulary-wide float32 statistics are computed together
+TILED_EXPERT_BYTES = 256 << 20  # a mixture's experts made for the measurement held at once (beyond one layer's)
 
 
 def can_measure(src: CheckpointDir) -> bool:
@@ -94,9 +96,20 @@ def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS, ref: Refe
     head = head_weight(src)  # (vocab, hidden), stored dtype
 
     model = load_model(quantized)
+    with tiled_experts_within(TILED_EXPERT_BYTES):  # a mixture's experts: a layer's at a time, not the model's
+        texts = scores(model, ids, x, head)
+    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0 + (0 if own else ref.seconds), 1),
+            "how": "source in float32, one layer at a time; the checkpoint as `qlite eval` runs it "
+                   "(default dtype and kernels); every token after the first of each chunk scored"}
+
+
+def scores(model, ids: dict, x: torch.Tensor, head: torch.Tensor) -> dict:
+    """Each text's statistics: the model's logits on its chunks against the source's (x: the source's normed
+    final hidden states, rows of every text's chunks in order)."""
     texts, row = {}, 0
     for text, t in ids.items():
         fidelity = Fidelity()
+        ctx = t.shape[1]
         for b in range(t.shape[0]):
             logits = model(t[b:b + 1])[0, :-1]  # (ctx - 1, vocab): one chunk at a time
             for r in range(0, ctx - 1, ROWS):  # the float32 statistics ROWS tokens at a time
@@ -107,9 +120,7 @@ def measure(src: CheckpointDir, quantized: Path, chunks: int = CHUNKS, ref: Refe
         s = fidelity.summary()
         texts[text] = {k: s[k] for k in ("tokens", "kld_mean", "kld_mean_err", "kld_p99", "top1", "ppl_ratio",
                                          "ppl_ratio_err")}
-    return {"texts": texts, "chunks": chunks, "ctx": ctx, "seconds": round(time.perf_counter() - t0 + (0 if own else ref.seconds), 1),
-            "how": "source in float32, one layer at a time; the checkpoint as `qlite eval` runs it "
-                   "(default dtype and kernels); every token after the first of each chunk scored"}
+    return texts
 
 
 def leading_tokens(tokenizer: Tokenizer, text: str, n: int, spare: int = 64) -> list[int]:

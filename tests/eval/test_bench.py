@@ -76,3 +76,19 @@ def test_a_json_schema_run_decodes_under_the_grammar(tmp_path):
             "repeats": 1, "threads": 1, "dtype": "float32"}
     result = measure(spec)
     assert "error" not in result and result["runs"][0]["decode_tps"] > 0, result
+
+
+def test_decode_bytes_count_a_mixtures_experts_by_the_share_a_token_reads(tmp_path):
+    """k of E experts a token: the same bytes from qlite's checkpoint and from its GGUF (merged expert stacks)."""
+    from quantize.gguf_export import export_gguf
+    from tiny_models import MOE
+    src = make_checkpoint(tmp_path / "moe", seed=4, model_type="qwen3_moe", **MOE["qwen3_moe"])
+    ckpt = CheckpointDir(src)
+    share = ckpt.config.experts.per_token / ckpt.config.experts.count
+    experts = sum(t.nbytes for n, t in ckpt.tensors.items() if ".mlp.experts." in n)
+    everything = sum(t.nbytes for n, t in ckpt.tensors.items() if not n.startswith("model.embed_tokens."))
+    assert 0 < share < 1 and experts > 0
+    assert decode_bytes({"engine": "qlite", "path": str(src)}) == round(everything - experts * (1 - share))
+    gguf = tmp_path / "moe.gguf"
+    export_gguf(ckpt, gguf, force=False, progress=False)
+    assert abs(decode_bytes({"engine": "llama.cpp", "path": str(gguf)}) - decode_bytes({"engine": "qlite", "path": str(src)})) < 64

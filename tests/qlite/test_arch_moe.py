@@ -168,6 +168,32 @@ def test_an_expert_is_read_when_first_chosen(default_file):
     assert len(built) == MOE["qwen3_moe"]["num_experts_per_tok"]
 
 
+def test_experts_kept_within_a_budget_give_the_same_logits(default_file):
+    """Under tiled_experts_within(0) (the quantization report's forward) only the running layer's experts stay
+    made: each earlier layer's are let go when the next makes its own, and made again when chosen; the logits
+    are the same bits, prefill and steps, and on leaving none is held."""
+    from qlite.loader import load_model
+    from qlite.native_moe import tiled_experts_within
+    model = load_model(default_file)
+    layers = [layer.mlp for layer in model.model.layers]
+    if any(getattr(mlp, "native", None) is None for mlp in layers):
+        pytest.skip("no native sparse MLP here")
+    made = lambda mlp: {e for e, k in enumerate(mlp.experts) if k.down_proj.kernel._product is not None}  # noqa: E731
+    ids = torch.tensor([[5, 9, 300, 17, 2, 44, 8, 100]])
+    with torch.no_grad():
+        want = model(ids)
+        assert all(made(mlp) for mlp in layers)  # unbounded: every layer's chosen experts stay made
+        for mlp in layers:
+            for e in made(mlp):
+                mlp.native.let_go(e)
+        with tiled_experts_within(0):
+            got = model(ids)
+            assert [bool(made(mlp)) for mlp in layers] == [False] * (len(layers) - 1) + [True]
+            again = model(ids)
+        assert not any(made(mlp) for mlp in layers)
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
 def test_the_native_mix_is_the_module_path_and_row_exact(default_file):
     """NativeOps' one call a layer gives the bits of the experts' own kernels run one by one (TorchOps' loop
     over the same products), and each token of a prefill what it gets alone (the products are row-exact)."""
