@@ -370,7 +370,7 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
 @click.argument("src", type=PathArg(path_type=Path))
 @click.option("--out", "-o", type=PathArg(path_type=Path), help="output dir (default: SRC-<preset or format>)")
 @click.option("--preset", type=Registered(_preset_names), help="a named recipe (README \"Which recipe\"): fast, "
-              "q4 (the default when no format option is given), q4-gptq, q8; with --out, --skip, --force, "
+              "q4 (the default when no format option is given), q4-gptq, q8, q3 and q2 (below 4 bits); with --out, --skip, --force, "
               "--no-report, --max-shard-size only")
 @click.option("--bits", type=Registered(_bit_widths), default="4", show_default=True)
 @click.option("--group-size", type=at_least(1), default=None,

@@ -282,9 +282,10 @@ def legacy_head_format(linear: Format, bits: int) -> Format | None:
     return table_format(bits, 128, False, format_for_fields("int", 8, None, True))
 
 
-def budget_candidates() -> list[Format]:
-    """The formats --target-bpw chooses among (those with a decode cost), fewest bits per weight first."""
-    found = [cls.make(g, False) for cls in REGISTRY.values() for g in cls.decode_ps]
+def budget_candidates(least_bits: int = 0) -> list[Format]:
+    """The formats --target-bpw chooses among (those with a decode cost, of least_bits or more), fewest bits per
+    weight first."""
+    found = [cls.make(g, False) for cls in REGISTRY.values() if cls.bits >= least_bits for g in cls.decode_ps]
     return sorted(found, key=lambda f: f.bits_per_weight(4096))
 
 
@@ -586,6 +587,10 @@ class IntLowK(CodedScales, IntFormat, scheme="intk"):
     symmetric: bool = False
     lo = 0
     default_group_size = 32
+    # bf16-activation products (no integer-activation ones yet), timed as the others on an Intel machine: their
+    # steps' differences from int4-g128's there, scaled to the table's machine by the two machines' int4-g128
+    # steps (BENCHMARKS.md "Below 4 bits: presets q3 and q2")
+    decode_ps = {16: 45.9, 32: 37.2}
 
     @classmethod
     def code_max(cls) -> int:  # the scale code's bits: those the zero point leaves of its byte
@@ -650,6 +655,7 @@ class Int3K(IntLowK, scheme="intk", bits=3):
 @dataclass(frozen=True)
 class Int2K(IntLowK, scheme="intk", bits=2):
     hi = 3
+    decode_ps = {16: 45.4, 32: 39.9}
 
 
 # --- bitsandbytes' formats, quantized by bitsandbytes itself ------------------------------------------

@@ -6,8 +6,10 @@ over the source's parameter count), with the least estimated KLD.
 Candidates are the formats with native kernels on every layer width they divide (those with a decode_ps; int4k-g32's
 are the integer-activation products, which the AVX-512 and the AVX2 kernels both have), and 16-bit (the
 source's own tensor, copied). Small int4 groups are int4k's (8-bit scales under a row scale): the error of
-int4-g32 / -g64 in 0.25 / 0.125 fewer bits per weight. Each unit's cost in each format is its estimated KLD alone
-(quantize/sensitivity.py); the costs are taken to add up, and the mix is the cheapest whose bytes fit:
+int4-g32 / -g64 in 0.25 / 0.125 fewer bits per weight; below 4 bits, int3k and int2k (which a 4- or 8-bit
+preset and --target-kld leave out: least_bits). Each unit's cost in each format is its estimated KLD alone
+(quantize/sensitivity.py); the costs are taken to add up (at 3 bits and below they compound: a mix's
+measured KLD is then several times its estimate), and the mix is the cheapest whose bytes fit:
 a multiple-choice knapsack (quantize/knapsack.py). The checkpoint is then written by the streaming converter
 as any other, with per-module formats in its quantization_config (format_version 3).
 
@@ -66,12 +68,13 @@ def unit_infos(src, unit: Unit) -> list:
     return [src.tensors[f"{name or m}.weight"] for m in unit.modules]
 
 
-def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | None, int]]:
-    """(format, bytes) of each candidate that fits every module of the unit; 16-bit always, only it if skipped."""
+def unit_options(src, unit: Unit, skip: tuple[str, ...], least_bits: int = 0) -> list[tuple[Format | None, int]]:
+    """(format, bytes) of each candidate of least_bits or more that fits every module of the unit; 16-bit always,
+    only it if skipped."""
     infos = unit_infos(src, unit)
     fmts: list[Format | None] = [None]
     if not any(s and s in m for s in skip for m in unit.modules):
-        for candidate in budget_candidates():
+        for candidate in budget_candidates(least_bits):
             try:
                 for info in infos:
                     candidate.check(info.shape[1], unit.name)
@@ -84,13 +87,13 @@ def unit_options(src, unit: Unit, skip: tuple[str, ...]) -> list[tuple[Format | 
 
 class Mixer:
     """A source's units, their options (format, bytes) and, once measured, their estimated KLD; makes
-    the least-KLD mix for a byte budget."""
+    the least-KLD mix for a byte budget. least_bits: the candidates' fewest bits (a 4-bit preset: 4)."""
 
-    def __init__(self, src, skip: tuple[str, ...]):
+    def __init__(self, src, skip: tuple[str, ...], least_bits: int = 0):
         self.src, self.cfg, self.skip = src, src.config, skip
         self.units = units(self.cfg)
         self.modules = {u.name: u.modules for u in self.units}
-        self.options = {u.name: unit_options(src, u, skip) for u in self.units}
+        self.options = {u.name: unit_options(src, u, skip, least_bits) for u in self.units}
         self.params = sum(math.prod(info.shape) for info in src.tensors.values())
         held = {f"{m}.weight" for u in self.units for m in u.modules} | {f"{EMBEDDINGS}.weight"}
         self.fixed = sum(info.nbytes for name, info in src.tensors.items() if name not in held)  # norms, biases
@@ -225,7 +228,8 @@ class Mixer:
         return 8 * sum(spec.nbytes for spec in plan_conversion(self.src, qconfig).specs) / self.params
 
 
-def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: str) -> tuple[Mixer, Path]:
+def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: str,
+            least_bits: int = 0) -> tuple[Mixer, Path]:
     """Check everything before the measurement: the source (as any quantize would), the output, the
     tokenizer the calibration text needs."""
     provisional = QuantConfig(format_named("int8"), format_named("int8"), skip=tuple(skip), params=settings,
@@ -234,7 +238,7 @@ def prepare(src, out, settings: dict, skip: tuple[str, ...], force: bool, flag: 
     plan_conversion(src, provisional, report=False)
     if not can_measure(src):  # a broken one is an error here too
         raise QliteError(f"{flag}: {src.path} has no tokenizer.json to read the calibration text with")
-    return Mixer(src, tuple(skip)), out
+    return Mixer(src, tuple(skip), least_bits), out
 
 
 def note(text: str) -> None:
@@ -250,13 +254,13 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
                    skip: tuple[str, ...] = (), windows: int = WINDOWS, seqlen: int = SEQLEN, samples: int = SAMPLES,
                    data: str = "builtin", force: bool = False, max_shard_bytes: int = 2 << 30, progress: bool = True,
                    report: bool = True, method: str = "rtn", calibration: dict | None = None, no_slower_than: str | None = None,
-                   rate: float | None = None, preset: str | None = None) -> Summary:
+                   rate: float | None = None, preset: str | None = None, least_bits: int = 0) -> Summary:
     """Quantize `src` to the least-KLD mix of formats within target_bpw bits per parameter (see the
     module docstring), or, given `rate` instead, within that many bits per quantizable weight
     (Mixer.bits_at_rate); returns the converter's Summary. method: rtn, or a calibrated one (gptq,
     act-rtn) with these calibrated_convert settings (calib, nsamples, seqlen, act_order, damp).
     no_slower_than: a format name; the mix's estimated decode step at most that model's. preset: the
-    --preset name recorded (and the default output dir's suffix)."""
+    --preset name recorded (and the default output dir's suffix). least_bits: no candidate of fewer bits."""
     if rate is not None:
         positive(rate, "--preset", "number of bits per weight")
     else:
@@ -266,14 +270,14 @@ def budget_convert(src: str | Path, out: str | Path | None = None, *, target_bpw
     settings.update({"preset": preset, "rate": rate} if rate is not None else {"target_bpw": target_bpw})
     if no_slower_than:
         settings["no_slower_than"] = no_slower_than
-    mixer, out = prepare(src, out, settings, skip, force, "--target-bpw")
+    mixer, out = prepare(src, out, settings, skip, force, "--target-bpw", least_bits)
     max_seconds = mixer.reference_seconds(no_slower_than) if no_slower_than else None
     if rate is not None:  # a preset always writes: its smallest mix, or without the speed bound, when it must
         target_bpw = math.floor(mixer.bits_at_rate(rate) * 1e4) / 1e4
         if mixer.mix(mixer.bytes_for(target_bpw)) is None:
             target_bpw = math.ceil(mixer.smallest_bits() * 1e4) / 1e4
             note(f"--preset {preset}: {rate:g} bits per weight is below {mixer.src.path}'s smallest mix (layer widths "
-                 f"that int4-g128 does not divide); writing that, {target_bpw:g} bits per parameter")
+                 f"that its small formats do not divide); writing that, {target_bpw:g} bits per parameter")
         if max_seconds is not None and mixer.mix(mixer.bytes_for(target_bpw), max_seconds) is None:
             note(f"--preset {preset}: no mix within {target_bpw:g} bits per parameter decodes as fast as "
                  f"{no_slower_than} (estimated); writing the least-KLD mix within that size")
@@ -324,7 +328,8 @@ def kld_convert(src: str | Path, out: str | Path | None = None, *, target_kld: f
     positive(target_kld, "--target-kld", "mean KLD in nats")
     t0 = time.perf_counter()
     settings = {"target_kld": target_kld, "sensitivity": {"windows": windows, "seqlen": seqlen, "samples": samples}}
-    mixer, out = prepare(src, out, settings, skip, force, "--target-kld")
+    # formats of 4 bits and more: below, the estimates that aim each trial compound (q3's: a third of its KLD)
+    mixer, out = prepare(src, out, settings, skip, force, "--target-kld", least_bits=4)
     ref = mixer.measure(windows, seqlen, samples, progress)  # every trial is measured against it
     hi = mixer.largest_bytes()
 

@@ -21,6 +21,7 @@ class Preset:
     method: str = "rtn"
     calibration: dict = field(default_factory=dict)  # calibrated_convert's settings
     sensitivity: dict = field(default_factory=dict)  # budget_convert's windows / samples (else its defaults)
+    least_bits: int = 0  # a mix's fewest-bit candidates (a 4-bit preset mixes nothing below 4 bits)
 
 
 PRESETS = {
@@ -29,12 +30,20 @@ PRESETS = {
     "q4": Preset("the least-KLD mix at Q4_0's rate (4.5 bits per weight) that decodes as fast as int4-g128, "
                  "round to nearest, sensitivities from 2 short windows of coding conversations in the model's chat "
                  "template (plain text where it has none): under 2 minutes on a 0.5B model",
-                 rate=4.5, no_slower_than="int4-g128", sensitivity=dict(windows=2, samples=2, data="chat")),
+                 rate=4.5, no_slower_than="int4-g128", sensitivity=dict(windows=2, samples=2, data="chat"),
+                 least_bits=4),
     "q4-gptq": Preset("the same budget and speed, the mix chosen from 8 windows and quantized with GPTQ "
                       "(32 calibration windows, act-order): minutes",
                       rate=4.5, no_slower_than="int4-g128", method="gptq",
-                      calibration=dict(calib="builtin", nsamples=32, seqlen=512, act_order=True, damp=0.3)),
-    "q8": Preset("the least-KLD mix at Q8_0's rate (8.5 bits per weight), round to nearest: minutes", rate=8.5),
+                      calibration=dict(calib="builtin", nsamples=32, seqlen=512, act_order=True, damp=0.3),
+                      least_bits=4),
+    "q8": Preset("the least-KLD mix at Q8_0's rate (8.5 bits per weight), round to nearest: minutes", rate=8.5,
+                 least_bits=4),
+    "q3": Preset("the least-KLD mix at 3.5 bits per weight (llama.cpp's Q3_K: 3.44) of every format, int3k and int2k "
+                 "included, round to nearest, sensitivities as q4's: minutes", rate=3.5,
+                 sensitivity=dict(windows=2, samples=2, data="chat")),
+    "q2": Preset("the same at 2.6 bits per weight (llama.cpp's Q2_K: 2.63)", rate=2.6,
+                 sensitivity=dict(windows=2, samples=2, data="chat")),
 }
 DEFAULT = "q4"
 
@@ -73,6 +82,7 @@ def quantize_preset(name: str | None, src, out=None, *, skip: tuple[str, ...] = 
         calibration["seqlen"] = min(calibration["seqlen"], CheckpointDir(Path(src).expanduser()).config.max_position_embeddings)
     return budget_convert(src, out, rate=preset.rate, preset=name, skip=skip, method=preset.method,
                           calibration=calibration, no_slower_than=preset.no_slower_than,
+                          least_bits=preset.least_bits,
                           **sensitivity, **writing)
 
 

@@ -119,7 +119,7 @@ def test_a_loose_target_kld_takes_the_smallest_mix_and_one_out_of_reach_writes_n
     s = kld_convert(untied, None, target_kld=10, windows=4, seqlen=64, samples=2, progress=False)
     assert s.out_dir == untied.parent / "ckpt-kld10"  # the default --out names the target
     out = shutil.move(s.out_dir, tmp_path / "k")
-    assert s.bits_per_parameter == pytest.approx(Mixer(CheckpointDir(untied), ()).smallest_bits())
+    assert s.bits_per_parameter == pytest.approx(Mixer(CheckpointDir(untied), (), least_bits=4).smallest_bits())  # 4 bits and up
     assert "predicted_kld" in json.loads((out / "config.json").read_text())["quantization_config"]
     code = main(["quantize", str(untied), "--out", str(tmp_path / "q"), "--target-kld", "1e-9"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -139,7 +139,8 @@ def test_target_kld_flag_errors(untied, tmp_path, capsys, flags, message):
     assert message in err and len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
-SLOW_SMALL_GROUPS = {"int4-g128": 1.0, "int4k-g64": 1.5, "int4k-g32": 1.8, "int8": 1.6, "int8-g32": 1.9, None: 3.0}
+SLOW_SMALL_GROUPS = {"int4-g128": 1.0, "int4k-g64": 1.5, "int4k-g32": 1.8, "int8": 1.6, "int8-g32": 1.9, None: 3.0,
+                     "int3k-g32": 2.7, "int3k-g16": 3.4, "int2k-g32": 2.9, "int2k-g16": 3.4}
 
 
 def test_no_slower_than_prices_decode_time_into_the_mix(untied, monkeypatch):
@@ -158,7 +159,7 @@ def test_no_slower_than_prices_decode_time_into_the_mix(untied, monkeypatch):
     assert used(timed) <= budget and used(free) <= budget
     fastest = sum(min(t) for t in mixer.seconds.values())
     assert mixer.mix(budget, 0.99 * fastest) is None
-    with pytest.raises(QliteError, match="--no-slower-than nf4-b64: choose one of int4-g128"):
+    with pytest.raises(QliteError, match="--no-slower-than nf4-b64: choose one of int2k-g32, .*int4-g128"):
         mixer.reference_seconds("nf4-b64")
 
 
@@ -186,3 +187,18 @@ def test_an_expert_costs_decode_time_by_the_share_of_tokens_that_read_it(tmp_pat
     expert, attn = "model.layers.0.mlp.experts.0.down_proj", "model.layers.0.self_attn.o_proj"
     per_weight = lambda u: mixer.seconds[u][0] / math.prod(src.tensors[f"{mixer.modules[u][0]}.weight"].shape)  # noqa: E731
     assert per_weight(expert) == pytest.approx(share * per_weight(attn))
+
+
+def test_sub_4_bit_formats_join_the_mix_where_the_budget_needs_them(src, tmp_path):
+    """int3k / int2k are candidates (a 4-bit preset's Mixer, least_bits=4, has none): a 3-bit budget's mix
+    takes them and stays within its bytes; an 8.5-bit one, with room, leaves them out."""
+    mixer = Mixer(CheckpointDir(src), ())
+    low = lambda formats: {f.name for f in formats if f is not None and f.bits < 4}  # noqa: E731
+    assert low(f for o in mixer.options.values() for f, _ in o) == {"int3k-g16", "int3k-g32", "int2k-g16", "int2k-g32"}
+    assert not low(f for o in Mixer(CheckpointDir(src), (), least_bits=4).options.values() for f, _ in o)
+    for bpw, takes_low in ((3.0, True), (8.5, False)):
+        s = budget_convert(src, tmp_path / f"b{bpw}", target_bpw=bpw, windows=4, seqlen=64, samples=2, progress=False,
+                           report=False)
+        formats = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["module_formats"]
+        assert bool({f for f in formats.values() if f.startswith(("int3k", "int2k"))}) == takes_low, formats
+        assert written_bits_per_parameter(src, s.out_dir) <= bpw

@@ -21,7 +21,8 @@ RECIPES = {**{name: ["--preset", name] for name in PRESETS},
            "target-bpw": ["--target-bpw", "4.5"], "target-kld": ["--target-kld", "0.25"],
            "int3k": ["--format", "intk", "--bits", "3"],
            "int2k-gptq": ["--format", "intk", "--bits", "2", "--group-size", "16", "--method", "gptq", "--seqlen", "128"]}
-LINEAR_FORMAT = {"int3k": "int3k-g32", "int2k-gptq": "int2k-g16"}  # else int4 somewhere (q8: int8 may be all)
+# else int4 somewhere (q8: int8 may be all); the sub-4-bit presets' budgets need int3k or int2k somewhere
+LINEAR_FORMAT = {"int3k": ("int3k-g32",), "int2k-gptq": ("int2k-g16",), "q3": ("int3k", "int2k"), "q2": ("int3k", "int2k")}
 IDS = torch.tensor([[3, 17, 250, 9, 100, 42, 7, 300, 12, 5]])
 
 
@@ -57,7 +58,10 @@ def test_loads_runs_and_reports(quantized):
     q, twin = dequantized_twin(out, src)
     qcfg = q.config.quantization
     linear_formats = {qcfg.linear.name} | {f.name for _, f in qcfg.module_formats if f is not None}
-    assert any(name.startswith(LINEAR_FORMAT.get(out.name, "int4")) for name in linear_formats) or "q8" in out.name
+    assert any(name.startswith(LINEAR_FORMAT.get(out.name, ("int4",))) for name in linear_formats) or "q8" in out.name
+    if out.name in ("q4", "q4-gptq", "q8"):  # the 4- and 8-bit presets mix nothing below int4
+        heads = {f.name for f in (qcfg.lm_head, qcfg.embeddings) if f is not None}
+        assert not any(name.startswith(("int3k", "int2k")) for name in linear_formats | heads)
     if q.config.tie_word_embeddings and qcfg.shares_table(True) and qcfg.embeddings is not None:
         table, head = q.model.embed_tokens.stored(), q.lm_head.stored()
         assert table.keys() == head.keys() and all(head[k] is table[k] for k in table)
@@ -100,8 +104,11 @@ def test_exports_read_back(quantized, tmp_path, capsys, to):
     x = tmp_path / ("m.gguf" if to == "gguf" else "x")
     code, _, err = run_cli(capsys, "export", out, "--to", to, "--out", x)
     cfg = CheckpointDir(out).config
-    if not cfg.quantization.linear.exports:  # below 4 bits: no peer format holds qlite's grid exactly
-        assert_one_line_error(code, err, f" is {cfg.quantization.linear.name}; ", "int4 and int8")
+    q = cfg.quantization
+    low = sorted({f.name for f in (q.linear, q.lm_head, *(f for _, f in q.module_formats)) if f is not None and not f.exports})
+    if low:  # below 4 bits: no peer format holds qlite's grid exactly
+        assert_one_line_error(code, err, " is int", "; ", "int4 and int8")
+        assert any(f" is {name}" in err for name in low), err
         return
     if to == "gptq" and cfg.quantization.module_formats:
         assert_one_line_error(code, err, "a mix of formats")
