@@ -95,11 +95,13 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
     forward = embedded(src, ids, keep_inputs=True)  # each layer's input kept, (windows, seqlen, hidden)
     with torch.no_grad():
         source_pass(src, [forward, *riders], progress=progress, desc="sensitivity: forward")
-    inputs, step, table, head = forward.inputs, forward.step, src.read(f"{EMBEDDINGS}.weight"), head_weight(src)
+    inputs, step = forward.inputs, forward.step
     last = forward.x.requires_grad_()
     del forward
     normed = final_norm(src)(last)  # (windows, seqlen, hidden)
-    head_klds, grads = head_pass(normed.detach().flatten(0, 1), head, candidates.get("lm_head", []), samples, generator)
+    # the head and the table are read where used, each let go after: mapped, 0.6 GB of pages each at 30B-A3B
+    head_klds, grads = head_pass(normed.detach().flatten(0, 1), head_weight(src), candidates.get("lm_head", []),
+                                 samples, generator)
     out = {"lm_head": head_klds}
     # each sample's gradient at the last layer's output: (windows, seqlen, hidden)
     grads = [torch.autograd.grad(normed, last, g.view_as(normed), retain_graph=True)[0] for g in grads]
@@ -110,7 +112,7 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
 
     for i in tqdm(reversed(range(cfg.num_hidden_layers)), total=cfg.num_hidden_layers, desc="sensitivity: backward",
                   unit="layer", disable=not progress):
-        layer = float_layer(src, cfg, i).requires_grad_(False)
+        layer = float_layer(src, cfg, i, experts_as_stored=True).requires_grad_(False)
         x = inputs.pop()
         deltas, scores, hooks = {}, {}, []
         windows_of = {}  # an expert's units: the window of each token routed to it (its outputs are (tokens, out))
@@ -150,6 +152,7 @@ def sensitivities(src: CheckpointDir, candidates: dict[str, list[Format]], ids: 
 
     if EMBEDDINGS in candidates:  # the looked-up rows' change, against the gradient at the first layer's input
         rows, where = torch.unique(ids, return_inverse=True)
+        table = src.read(f"{EMBEDDINGS}.weight")
         g0 = torch.stack(grads)  # (samples, windows, seqlen, hidden)
         out[EMBEDDINGS] = []
         for fmt in candidates[EMBEDDINGS]:

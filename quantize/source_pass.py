@@ -69,7 +69,7 @@ def source_pass(src: CheckpointDir, riders: list[Windows], after: Callable[[int,
 
     cfg = float_config(src)
     for i in tqdm(range(cfg.num_hidden_layers), desc=desc, unit="layer", disable=not progress):
-        layer = float_layer(src, cfg, i)
+        layer = float_layer(src, cfg, i, experts_as_stored=after is None)  # `after` may change the weights
         for windows in riders:
             windows.through(layer)
         if after is not None:

@@ -143,6 +143,37 @@ def test_bad_expert_fields_are_refused_by_name(overrides, needle):
         ModelConfig.from_dict({k: v for k, v in {**BASE, **overrides}.items() if v is not None})
 
 
+def test_a_layer_read_with_its_experts_as_stored_computes_as_the_float32_layer(small, tmp_path):
+    """float_layer(experts_as_stored=True), what the sensitivity pass and the report's reference read: a bf16
+    source's experts stay bf16 (no float32 copy of 128 experts), every other tensor float32, and the layer's
+    output and its input's gradient are the float32 layer's."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from qlite.checkpoint import CheckpointDir
+    from qlite.loader import float_layer
+    from quantize.source_pass import embedded, float_config
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(small, bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.bfloat16() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    ckpt = CheckpointDir(bf16)
+    cfg = float_config(ckpt)
+    i = next(i for i in range(cfg.num_hidden_layers) if cfg.experts.sparse(i))
+    windows = embedded(ckpt, torch.randint(0, cfg.vocab_size, (2, 9)))
+    outs = []
+    for as_stored in (False, True):
+        layer = float_layer(ckpt, cfg, i, experts_as_stored=as_stored).requires_grad_(False)
+        dtypes = {name: p.dtype for name, p in layer.named_parameters()}
+        assert {d for n, d in dtypes.items() if ".experts." not in n} == {torch.float32}
+        assert {d for n, d in dtypes.items() if ".experts." in n} == {torch.bfloat16 if as_stored else torch.float32}
+        x = windows.x.clone().requires_grad_()
+        y = layer(x, windows.step)
+        outs.append((y, torch.autograd.grad(y, x, torch.ones_like(y))[0]))
+    (y, g), (y_stored, g_stored) = outs
+    torch.testing.assert_close(y_stored, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_stored, g, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def default_file(tmp_path_factory):
     """Qwen3-MoE at the native kernels' widths, quantized with the default preset, loaded as `qlite` runs it."""

@@ -36,9 +36,9 @@ def reads(monkeypatch):
     for module in (quantize.source_pass, quantize.sensitivity):
         real = module.float_layer
 
-        def counting(ckpt, cfg, i, real=real):
+        def counting(ckpt, cfg, i, real=real, **kwargs):
             counts[i] += 1
-            return real(ckpt, cfg, i)
+            return real(ckpt, cfg, i, **kwargs)
 
         monkeypatch.setattr(module, "float_layer", counting)
     return counts
