@@ -22,6 +22,7 @@ import torch
 
 from qlite.checkpoint import CheckpointDir
 from qlite.loader import float_layer
+from qlite.memory import large_allocations_from_mmap
 from qlite.decoder.layers import DecoderLayer, RMSNorm, Rotary
 from qlite.decoder.ops import Step
 from qlite.qconfig import EMBEDDINGS
@@ -68,6 +69,7 @@ def source_pass(src: CheckpointDir, riders: list[Windows], after: Callable[[int,
     from tqdm import tqdm
 
     cfg = float_config(src)
+    large_allocations_from_mmap()  # layer after layer of freed float32 weights would otherwise fragment the heap
     for i in tqdm(range(cfg.num_hidden_layers), desc=desc, unit="layer", disable=not progress):
         layer = float_layer(src, cfg, i, experts_as_stored=after is None)  # `after` may change the weights
         for windows in riders:
