@@ -61,7 +61,7 @@ class CodeRow:
     seconds: float
     paired: dict = field(default_factory=dict)  # against the baseline: wins, losses, diff, diff_err
     answer_fidelity: dict = field(default_factory=dict)  # Fidelity.summary() on the baseline's answers
-    text: dict = field(default_factory=dict)  # size and KLD on the built-in texts (eval.functional)
+    text: dict = field(default_factory=dict)  # size and KLD on the built-in texts (eval.benchmarks.functional)
 
     @property
     def passed(self) -> int:

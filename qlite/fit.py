@@ -3,7 +3,7 @@ is loaded; the longest context that fits in what this machine has; the one-line 
 chat and serve give up front instead of dying of OOM halfway.
 
 The parts (all resident at once at the peak, which is the last prefill chunk of a full context):
-  runtime      Python, torch, qlite and the tokenizer (RUNTIME_BYTES, measured: eval/fit_check.py)
+  runtime      Python, torch, qlite and the tokenizer (RUNTIME_BYTES, measured: eval/benchmarks/fit_check.py)
   weights      every tensor the run reads whole, floating ones at the run's dtype (mapped from the file
                where they are stored so); a model with its own lm_head reads only the looked-up rows of
                its embedding table, which is left out

@@ -71,7 +71,7 @@ class Format:
     calibrated: ClassVar[bool] = False  # GPTQ / act-rtn can make it (an integer grid)
     # --target-bpw: picoseconds per weight of a decode step, by group size (None: per row); a format without
     # an entry is no candidate. From whole fused steps of single-format demo checkpoints (`python -m
-    # eval.kernel_bench --steps DIR`, 2 rounds, the faster; AMD EPYC Zen 4, AVX-512 VNNI, 2 threads): the
+    # eval.benchmarks.kernel_bench --steps DIR`, 2 rounds, the faster; AMD EPYC Zen 4, AVX-512 VNNI, 2 threads): the
     # int8 model's step over all its weights, each other format by its step's difference from int8's.
     decode_ps: ClassVar[dict[int | None, float]] = {}
 

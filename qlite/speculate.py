@@ -58,7 +58,7 @@ class Answers:
     `most` tokens are kept (past it the older half goes, or more where a new answer needs the room): 2^15,
     some 16 MB of index."""
     END = -1
-    MIN_NGRAM = 3  # shorter matches of other answers mislead more than they help (eval.pacing)
+    MIN_NGRAM = 3  # shorter matches of other answers mislead more than they help (eval.benchmarks.pacing)
 
     def __init__(self, max_ngram: int = 5, most: int = 1 << 15):
         self.max_ngram, self.most = max_ngram, most

@@ -66,7 +66,7 @@ def demo_int4(demo_dir, tmp_path_factory) -> Path:
 def torch_threads_restored():
     """Each test leaves torch's thread count as it found it. The eval scripts' functions set it for their
     process (torch.set_num_threads), as their command lines should; called in-process by a test, one left
-    every later test of the session on 1 thread (tests/eval/test_speculation.py's table, then
+    every later test of the session on 1 thread (tests/eval/benchmarks/test_speculation.py's table, then
     test_target_bpw_keeps_the_demo_within_its_budget: 114 s, against 82 s with the count restored)."""
     import torch
     threads = torch.get_num_threads()

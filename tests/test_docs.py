@@ -97,7 +97,7 @@ def test_every_environment_variable_the_runtime_reads_is_documented():
 
 def test_the_internals_page_names_every_eval_module():
     page = (ROOT / "docs/internals.md").read_text()
-    modules = [f.name for f in (ROOT / "eval").glob("*.py") if f.name != "__init__.py"]
+    modules = [f.name for f in (ROOT / "eval").rglob("*.py") if f.name != "__init__.py"]
     assert len(modules) >= 16 and all(f"`{name}`" in page for name in modules), modules
 
 

@@ -16,7 +16,7 @@ from qlite.formats import REGISTRY, Format, fp16_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 # kernels name the layouts they read (a kernel *is* per format), and kernel_bench times those kernels directly
-ALLOWED = {"qlite/formats.py", "qlite/kernels.py", "eval/kernel_bench.py"}
+ALLOWED = {"qlite/formats.py", "qlite/kernels.py", "eval/benchmarks/kernel_bench.py"}
 FORMAT_CLASSES = {name for name, obj in vars(formats).items() if isinstance(obj, type) and issubclass(obj, Format)}
 
 

@@ -1,7 +1,7 @@
 """Dependencies run one way: checkpoint dir -> quantize -> quantized dir -> load -> generate / eval.
 qlite/ imports neither quantize/ nor eval/ (only its CLI does, inside the commands that need them),
 within qlite/ only the CLI imports the serving package qlite/serve/,
-quantize/ does not import eval/, and no module imports itself back through others."""
+quantize/ does not import eval/, nothing but the developers' benchmarks imports eval/benchmarks/, and no module imports itself back through others."""
 import ast
 import subprocess
 import sys
@@ -50,6 +50,8 @@ def test_dependencies_run_one_way():
             assert "eval" not in roots, f"{mod} imports {deps}"
         if mod.startswith("qlite") and mod != "qlite.cli":
             assert roots <= {"qlite"}, f"{mod} imports {deps}"
+        if not mod.startswith("eval.benchmarks"):
+            assert not {d for d in deps if d.startswith("eval.benchmarks")}, f"{mod} imports a benchmark: {deps}"
         if mod.startswith("qlite") and mod != "qlite.cli" and not mod.startswith("qlite.serve"):
             assert not {d for d in deps if d.startswith("qlite.serve")}, f"{mod} imports the serving package: {deps}"
 

@@ -43,7 +43,7 @@ def test_demo_eval_meets_the_bars(demo_dir, demo_int8, demo_int4, tmp_path):
 
 
 # Code tasks on a fixed slice of the suite (eval/task_sources.py: every 39th of its 310 tasks, 8), greedy, answers
-# of at most 256 tokens, int4-g128 RTN against the baseline; the whole suite is a benchmark (eval/functional.py,
+# of at most 256 tokens, int4-g128 RTN against the baseline; the whole suite is a benchmark (eval/benchmarks/functional.py,
 # BENCHMARKS.md). Measured (Zen 4, AVX-512 kernels, 69 s): the baseline passes 4 of these 8, int4 +0 / -1, KLD on
 # the baseline's answers 0.0083. The bar leaves 1 more task of room. (Every 9th built-in task until 2026-12-06:
 # those tasks became the `chat` calibration data.)

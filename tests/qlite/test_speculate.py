@@ -411,7 +411,7 @@ def test_the_demo_model_edits_code_speculatively_as_it_does_plainly(demo_int4, m
     """The real model on one code-edit prompt, 32 greedy tokens: the same tokens, proposals taken. The
     pacer is fed its own cost model's timings (Pacer.ROW_COST), not this machine's: under a loaded test run a
     slow pass made it stop proposing (CI ran beside other jobs)."""
-    from eval.speculation import prompt_sets
+    from eval.benchmarks.speculation import prompt_sets
     timed = Pacer.timed
     monkeypatch.setattr(Pacer, "timed", lambda self, rows, seconds: timed(self, rows, 1 + Pacer.ROW_COST * (rows - 1)))
     from qlite.pipeline import load

@@ -216,14 +216,14 @@ def test_a_full_queue_answers_503(lm):
 
 
 def test_soak_with_hostile_requests_on_a_tiny_model(tiny_ckpt):
-    """The soak script (eval/serve_load.py) in small: 8 streaming clients, random lengths, clients that
-    leave, 1 request in 10 hostile (every kind of eval.serve_load.HOSTILE at least once): every good
+    """The soak script (eval/benchmarks/serve_load.py) in small: 8 streaming clients, random lengths, clients that
+    leave, 1 request in 10 hostile (every kind of eval.benchmarks.serve_load.HOSTILE at least once): every good
     answer complete and equal to its answer alone (float32: batching is exact there), every hostile
     request its JSON 4xx or a close, memory back to idle, no traceback in the server's log."""
-    from eval.serve_load import HOSTILE
+    from eval.benchmarks.serve_load import HOSTILE
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--soak", "--requests", "200",
+    r = subprocess.run([sys.executable, "-m", "eval.benchmarks.serve_load", "-m", str(tiny_ckpt), "--soak", "--requests", "200",
                         "--threads", "1", "--dtype", "float32"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import re
@@ -237,7 +237,7 @@ def test_soak_with_hostile_requests_on_a_tiny_model(tiny_ckpt):
 
 def test_load_script_reports_each_client_count_over_rounds(tiny_ckpt):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--clients", "1,2",
+    r = subprocess.run([sys.executable, "-m", "eval.benchmarks.serve_load", "-m", str(tiny_ckpt), "--clients", "1,2",
                         "--requests", "2", "--max-tokens", "4", "--rounds", "2", "--threads", "1"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -250,7 +250,7 @@ def test_load_script_times_a_long_prompt_joining_against_a_second_server(tiny_ck
     """--long-prompt adds a client sending a long prompt during the load (its time to first token
     reported, and the others' longest gap); --also runs a second server with other flags in turn."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "eval.serve_load", "-m", str(tiny_ckpt), "--clients", "2",
+    r = subprocess.run([sys.executable, "-m", "eval.benchmarks.serve_load", "-m", str(tiny_ckpt), "--clients", "2",
                         "--requests", "2", "--max-tokens", "8", "--threads", "1", "--long-prompt", "10",
                         "--also", "--prefill-chunk 0"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

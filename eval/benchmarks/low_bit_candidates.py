@@ -8,7 +8,7 @@ orthonormal Hadamard transform H of each 128 inputs, and holds Q(W R) R^T. At ru
 is Q(W R) (x R)^T, the activations rotated by one fast transform per linear input (QuaRot, QuIP#): R
 spreads a row's outliers over its 128 inputs, so fewer of them set a group's range.
 
-    python -m eval.low_bit_candidates SRC OUT_DIR int3k-g32 int3k-g32+rot int2k-g16+rot
+    python -m eval.benchmarks.low_bit_candidates SRC OUT_DIR int3k-g32 int3k-g32+rot int2k-g16+rot
     qlite eval OUT_DIR/* --baseline SRC
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ copies of each weight past the caches (COPY_BYTES each), call by call interleave
 alike. int4-g128 runs its decode product (integer activations, codes tiled in lanes); int3k / int2k their
 bf16-activation products (csrc/lowbit.h). Prints a markdown table: ms, GB/s of stored bytes, time over int4-g128's.
 
-    python -m eval.low_bit_products [CALLS]
+    python -m eval.benchmarks.low_bit_products [CALLS]
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ and min over prompts) and tokens per pass, at each row cost, for qlite's lookup 
 weighed on its own, the earlier prompts' answers remembered), for the lookup without earlier answers
 (the sequence's own history only) and for one estimate for every kind (qlite's pacer before). Row costs
 measured: the demo int4-g128 model's verify pass of R rows costs 1 + ~0.2-0.45 (R - 1) steps on 2 cores
-(`python -m eval.kernel_bench --verify DIR`).
+(`python -m eval.benchmarks.kernel_bench --verify DIR`).
 
-    python -m eval.pacing MODEL_DIR [--sets code-edit,open,prose] [--limit N] [--new-tokens 256]
+    python -m eval.benchmarks.pacing MODEL_DIR [--sets code-edit,open,prose] [--limit N] [--new-tokens 256]
                                     [--row-costs 0.25,0.35,0.45]
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def table(streams: dict[str, list[tuple[list[int], int]]], row_costs: list[float
 def main(model_dir, sets, limit, new_tokens, row_costs, threads):
     import torch
 
-    from eval.speculation import plain_decode, prompt_sets
+    from eval.benchmarks.speculation import plain_decode, prompt_sets
     from qlite.pipeline import load
 
     try:

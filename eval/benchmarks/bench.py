@@ -6,7 +6,7 @@ prefill of a --prompt-tokens prompt (tokens/s and time to first token), greedy d
 (tokens/s), resident memory above a bare `import torch`, peak RSS, size on disk. Medians over
 --repeats runs, with min-max.
 
-    python -m eval.bench DIR... [--transformers fp32,bf16] [--gguf FILE ...] [--markdown BENCHMARKS.md]
+    python -m eval.benchmarks.bench DIR... [--transformers fp32,bf16] [--gguf FILE ...] [--markdown BENCHMARKS.md]
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def llama_cpp_variants(src_gguf: Path, out_dir: Path, types=("f16", "q8_0", "q4_
 
 def measure(spec: dict) -> dict:
     """Run one spec in a fresh process; returns its figures (or an error)."""
-    r = subprocess.run([sys.executable, "-m", "eval.bench", "--child", json.dumps(spec)],
+    r = subprocess.run([sys.executable, "-m", "eval.benchmarks.bench", "--child", json.dumps(spec)],
                        capture_output=True, text=True, env={**os.environ, **spec.get("env", {})})
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}

@@ -4,13 +4,13 @@ shards written one at a time (memory: one shard), the demo model's tokenizer bes
 `--layers N` keeps a few layers at full width and vocabulary: the per-layer cost, which is what bounds a
 streaming quantize.
 
-    python -m eval.scale write 7b DIR [--layers N]
-    python -m eval.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--llama-cpp SRC]
+    python -m eval.benchmarks.scale write 7b DIR [--layers N]
+    python -m eval.benchmarks.scale measure 0.5b 7b [--recipes rtn,q4,gptq,report] [--bench] [--llama-cpp SRC]
                                          [--dir WORK] [--markdown PATH] [--plot PNG]
 
 `measure` writes each shape's checkpoint under WORK (once), quantizes it with each recipe in a child process
 (wall time, the child's peak RSS and peak anonymous memory), and with --bench times each checkpoint's load, prefill and decode
-(eval.bench's runner, a fresh process). With --llama-cpp SRC (a llama.cpp source tree with its tools built
+(eval.benchmarks.bench's runner, a fresh process). With --llama-cpp SRC (a llama.cpp source tree with its tools built
 in SRC/build/bin, e.g. the one vendored in llama-cpp-python's sdist), the same checkpoint is converted by
 llama.cpp's own convert_hf_to_gguf.py (f16) and llama-quantize (Q4_0, Q8_0), timed the same way, and with
 --bench run in the same run. --plot draws seconds and peak RSS against parameters (matplotlib).
@@ -329,7 +329,7 @@ def write(shape, out, layers, tokenizer_from):
 def measure(shapes, work, layers, recipes, quantize_args, bench, llama, prompt_tokens, new_tokens, threads,
             tokenizer_from, md_path, plot_path):
     """Quantize (and with --bench run) random-weight checkpoints of SHAPES; print the cost table."""
-    from eval.bench import measure as bench_one
+    from eval.benchmarks.bench import measure as bench_one
     recipes = [r for r in recipes.split(",") if r]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:

@@ -6,7 +6,7 @@ prompt ids. Each model's answers are kept in the results file as it finishes, so
 resumes, and a later run with more models answers only the new ones (the baseline's answers are made
 once). A model is known by its path and the tasks, tokens and dtype it was asked with.
 
-    python -m eval.functional --baseline DEMO --out results.json MODEL_DIR_OR_GGUF... [--markdown table.md]
+    python -m eval.benchmarks.functional --baseline DEMO --out results.json MODEL_DIR_OR_GGUF... [--markdown table.md]
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import click
 
 from qlite.outputs import write_file_atomic
 
-from .code_eval import CodeRow, TaskResult, answer_tasks, compare_rows
-from .task_sources import tasks_named
+from ..code_eval import CodeRow, TaskResult, answer_tasks, compare_rows
+from ..task_sources import tasks_named
 
 TEXTS = ("code", "prose")
 
@@ -69,7 +69,7 @@ def run(baseline: Path, model_dirs: list[Path], tasks_source: str, out: Path, ma
 def text_fidelity(baseline: Path, model_dirs: list[Path], chunks: int, dtype: str) -> list[dict]:
     """Per model: its format, bits per weight and MiB (eval.run.describe_model) and its KLD against the
     baseline on `chunks` chunks of 512 tokens of each built-in text, as `qlite eval` measures them."""
-    from .run import evaluate
+    from ..run import evaluate
 
     rows = evaluate(model_dirs, baseline, data=TEXTS, ctx=512, max_chunks=chunks, dtype=dtype)
     by_model = {}

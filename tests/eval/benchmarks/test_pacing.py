@@ -1,9 +1,9 @@
-"""eval.pacing: speculation replayed over fixed outputs under a fixed cost model."""
+"""eval.benchmarks.pacing: speculation replayed over fixed outputs under a fixed cost model."""
 import pytest
 import torch
 from click.testing import CliRunner
 
-from eval.pacing import OneKind, main, replay, table
+from eval.benchmarks.pacing import OneKind, main, replay, table
 from qlite import native
 from qlite.speculate import Answers, PromptLookup
 from tiny_models import NATIVE_WIDTHS, make_checkpoint

@@ -1,8 +1,8 @@
-"""eval.kernel_bench runs and prints its table (timings themselves are for BENCHMARKS.md, not tests)."""
+"""eval.benchmarks.kernel_bench runs and prints its table (timings themselves are for BENCHMARKS.md, not tests)."""
 import pytest
 from click.testing import CliRunner
 
-from eval import kernel_bench
+from eval.benchmarks import kernel_bench
 from qlite import native
 
 

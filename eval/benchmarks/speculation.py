@@ -20,7 +20,7 @@ the same run: its plain decode tokens/s per prompt; with --llama-lookup BIN too,
 prompt-lookup tool (`llama-lookup`, built from the same vendored source) runs the same prompt text
 greedily on that GGUF, up to as many tokens as qlite made: its decode tokens/s and acceptance.
 
-    python -m eval.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--speculate DIR]
+    python -m eval.benchmarks.speculation MODEL_DIR [--sets code-edit,open,prose] [--new-tokens 256] [--speculate DIR]
                                           [--baseline DIR] [--gguf FILE [--llama-lookup BIN]]
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from eval import functional, plots, recipes  # noqa: E402
+from eval.benchmarks import functional, plots, recipes  # noqa: E402
 from eval.code_eval import CodeRow, TaskResult  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,7 @@
-"""`python -m eval.recipes SRC --gguf-from SRC.gguf`: the README's "Which recipe" table, measured in one run.
+"""`python -m eval.benchmarks.recipes SRC --gguf-from SRC.gguf`: the README's "Which recipe" table, measured in one run.
 Each preset is made by `qlite quantize SRC --preset NAME` (timed, wall clock), scored by `qlite eval` against
 SRC beside llama.cpp's Q4_0 and Q8_0 of the same model (made by llama.cpp's own quantizer from --gguf-from),
-and timed by `python -m eval.bench` beside those files (decode and prefill, interleaved processes)."""
+and timed by `python -m eval.benchmarks.bench` beside those files (decode and prefill, interleaved processes)."""
 from __future__ import annotations
 
 import json
@@ -62,7 +62,7 @@ def table(presets: list[str], made: dict, fidelity: dict, speed: dict, peers: di
 @click.option("--max-chunks", default=8, show_default=True, help="qlite eval chunks per text")
 @click.option("--ctx", default=512, show_default=True, help="qlite eval tokens per chunk")
 @click.option("--threads", default=2, show_default=True)
-@click.option("--rounds", default=2, show_default=True, help="eval.bench processes per model, interleaved")
+@click.option("--rounds", default=2, show_default=True, help="eval.benchmarks.bench processes per model, interleaved")
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path, file_okay=False),
               help="also draw frontier.png and speed.png here (docs/ for the README's; needs matplotlib)")
@@ -80,13 +80,13 @@ def main(src, gguf_from, presets, work, max_chunks, ctx, threads, rounds, md_pat
     models = [work / p for p in presets] + ggufs
     run(*qlite("eval", *models, "--baseline", src, "--max-chunks", max_chunks, "--ctx", ctx, "--json", work / "eval.json"))
     fidelity = {(r["model"], r["data"]): r["metrics"] for r in json.loads((work / "eval.json").read_text())["rows"]}
-    bench = [sys.executable, "-m", "eval.bench", *map(str, (work / p for p in presets)),
+    bench = [sys.executable, "-m", "eval.benchmarks.bench", *map(str, (work / p for p in presets)),
              *[a for g in ggufs for a in ("--gguf", str(g))], "--threads", str(threads), "--repeats", "2",
              "--rounds", str(rounds), "--json", str(work / "bench.json")]
     run(*bench)
     speed = {r["name"]: r for r in json.loads((work / "bench.json").read_text())["rows"] if "error" not in r}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    text = (f"{time.strftime('%Y-%m-%d')}, {cpu}, {threads} threads (`python -m eval.recipes {src} "
+    text = (f"{time.strftime('%Y-%m-%d')}, {cpu}, {threads} threads (`python -m eval.benchmarks.recipes {src} "
             f"{'--gguf-from ' + str(gguf_from) if gguf_from else ''}`): KLD against SRC on {max_chunks} chunks of {ctx} "
             f"tokens of each built-in text; decode of 128 tokens after a 512-token prompt, median (min-max) of "
             f"{rounds} x 2 runs.\n\n" + table(presets, made, fidelity, speed, peers))

@@ -15,7 +15,7 @@ through the fused layers and through the layer modules ("/ one step": over the f
 --attention KEYS instead times one layer's decode attention at KEYS keys over a bf16, int8 and int4 KV cache.
 --peak instead measures how close the integer-activation product for a few activation rows (speculation's verify,
 a batched step) comes to this CPU's arithmetic: the rates of VNNI multiply-adds and float FMAs (alone and
-interleaved; AVX2: vpmaddubsw alone and in the int4 product's mix, vpmaddwd in the int8 one's, eval/peak_rate.c)
+interleaved; AVX2: vpmaddubsw alone and in the int4 product's mix, vpmaddwd in the int8 one's, eval/benchmarks/peak_rate.c)
 on one core and on --threads threads at once (the bound: two vCPUs need not give twice one's), against the
 product on weights that stay in L2 (int4-g128, 512 x 3584; AVX2 also int8, 256 x 3584).
 --peak --steps DIR instead times a checkpoint's decode steps at 1 and --rows rows against the least time its
@@ -26,7 +26,7 @@ bring a batched step's time towards a one-row step's (the server's 8-client inte
 Qwen2.5-Instruct's generation settings and with top-p alone: next_token (candidates first) against
 the same filters over the whole vocabulary (HF transformers' way, and qlite's before), interleaved.
 
-    python -m eval.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
+    python -m eval.benchmarks.kernel_bench [--rows 1,8,16] [--calls 30] [--threads 2] [--shapes 0.5b|7b]
                                 [--attention KEYS | --sampling | --steps DIR | --verify DIR | --against FILE | --peak [--steps DIR]]
 """
 from __future__ import annotations
@@ -184,7 +184,7 @@ def time_steps(model_dir, calls: int) -> None:
 
 
 def peak_rates(threads: int, avx2: bool = False) -> dict[str, tuple[float, float]]:
-    """Instructions per ns (eval/peak_rate.c) of one core alone, and of `threads` threads running at once
+    """Instructions per ns (eval/benchmarks/peak_rate.c) of one core alone, and of `threads` threads running at once
     (their sum: two vCPUs may share a core or its host, so twice one core's rate is no bound): vpdpbusd zmm,
     vfmadd231ps zmm, the two 1:1, and vpdpwssd zmm on a broadcast memory operand (the int8 product's); or (avx2)
     vpmaddubsw ymm alone and in the int4 lanes product's mix (a vpbroadcastd per two, one for each of two blocks

@@ -3,7 +3,7 @@ on a prompt of that many tokens (less the reply's), its peak RSS (VmHWM, read by
 it exits: wait4's figure would count the parent's pages a forked child starts with) beside the
 estimate for the same run.
 
-    python -m eval.fit_check DIR [--ctx 2048,8192,16384] [--kv-cache int8] [--new-tokens 32]
+    python -m eval.benchmarks.fit_check DIR [--ctx 2048,8192,16384] [--kv-cache int8] [--new-tokens 32]
 """
 from __future__ import annotations
 

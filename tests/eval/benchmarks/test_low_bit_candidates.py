@@ -4,7 +4,7 @@ changes the decoder's linears alone."""
 import torch
 from safetensors.torch import load_file
 
-from eval.low_bit_candidates import BLOCK, hadamard, rotation, rounded, write_candidate
+from eval.benchmarks.low_bit_candidates import BLOCK, hadamard, rotation, rounded, write_candidate
 from qlite.fidelity import sqnr_db
 from qlite.formats import Int3K
 from tiny_models import NATIVE_WIDTHS, make_checkpoint

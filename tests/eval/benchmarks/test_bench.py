@@ -1,10 +1,10 @@
-"""eval.bench's bandwidth cap (the bytes one decode step reads), its AVX2 runs and its rounds."""
+"""eval.benchmarks.bench's bandwidth cap (the bytes one decode step reads), its AVX2 runs and its rounds."""
 from qlite import native
 from qlite.checkpoint import CheckpointDir
 from quantize.convert import convert
 from tiny_models import make_checkpoint
 
-from eval.bench import (AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, kernel_variants, kv_cache_variants,
+from eval.benchmarks.bench import (AVX2_TORCH_ENV, avx2_variants, decode_bytes, interleaved, kernel_variants, kv_cache_variants,
                         measure, pool)
 
 

@@ -1,10 +1,10 @@
-"""eval.speculation's table on a tiny model: every set runs, speculative output is plain greedy's."""
+"""eval.benchmarks.speculation's table on a tiny model: every set runs, speculative output is plain greedy's."""
 import json
 
 import pytest
 from click.testing import CliRunner
 
-from eval.speculation import EDITS_FILE, main, prompt_sets
+from eval.benchmarks.speculation import EDITS_FILE, main, prompt_sets
 from qlite import native
 from tiny_models import NATIVE_WIDTHS, make_checkpoint
 

@@ -1,8 +1,8 @@
-"""eval/fit_check.py on a tiny checkpoint: a generate run's peak RSS beside qlite's estimate, one row per
+"""eval/benchmarks/fit_check.py on a tiny checkpoint: a generate run's peak RSS beside qlite's estimate, one row per
 context (on a tiny model the runtime is nearly all of both: the ratio means something on real sizes)."""
 from click.testing import CliRunner
 
-from eval.fit_check import main
+from eval.benchmarks.fit_check import main
 from tiny_models import make_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""eval.low_bit_products: every format's product on every shape, timed against int4-g128's (tiny shapes here)."""
+"""eval.benchmarks.low_bit_products: every format's product on every shape, timed against int4-g128's (tiny shapes here)."""
 import pytest
 
 from qlite import native
@@ -7,7 +7,7 @@ from qlite import native
 def test_every_format_and_shape_gets_a_row(monkeypatch, capsys):
     if not native.vnni_ready():
         pytest.skip("no integer-activation kernels here")
-    import eval.low_bit_products as bench
+    import eval.benchmarks.low_bit_products as bench
     monkeypatch.setattr(bench, "SHAPES", [(64, 256), (32, 384)])
     monkeypatch.setattr(bench, "COPY_BYTES", 1e5)
     bench.main(2)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval import functional
+from eval.benchmarks import functional
 from eval.code_tasks import TASKS, dump_tasks
 from eval.run import evaluate
 from quantize.convert import convert

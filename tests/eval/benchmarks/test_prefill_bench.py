@@ -1,6 +1,6 @@
 from click.testing import CliRunner
 
-from eval.prefill_bench import main
+from eval.benchmarks.prefill_bench import main
 
 
 def test_prints_each_lengths_median_and_spread(tiny_ckpt):

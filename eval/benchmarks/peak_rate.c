@@ -1,4 +1,4 @@
-/* Instruction rates of one core, for eval.kernel_bench --peak: how many AVX-512 VNNI multiply-adds
+/* Instruction rates of one core, for eval.benchmarks.kernel_bench --peak: how many AVX-512 VNNI multiply-adds
  * (vpdpbusd zmm, 64 int8 products each) and float FMAs (vfmadd231ps zmm) it retires per nanosecond, alone and
  * interleaved 1:1 (whether they share execution units); on AVX2, vpmaddubsw ymm (32 products) alone and in
  * the int4 lanes product's mix, and vpmaddwd ymm (16 products) in the int8 one's (csrc/kernels_avx2.c: two

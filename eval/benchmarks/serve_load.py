@@ -1,8 +1,8 @@
 """Load on `qlite serve`: concurrent streaming clients, bounded in requests and time.
 
-    python -m eval.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--rounds 3] [--markdown F]
+    python -m eval.benchmarks.serve_load -m DIR --clients 1,4,8,16 [--requests 16] [--max-tokens 64] [--rounds 3] [--markdown F]
         [--speculate lookup|DRAFT_DIR] [--prompts asks|code-edit] [--long-prompt TOKENS] [--also 'SERVE FLAGS']
-    python -m eval.serve_load -m DIR --soak [--requests 200]
+    python -m eval.benchmarks.serve_load -m DIR --soak [--requests 200]
 
 Starts the server (a subprocess, 2 threads unless --threads), waits for /health, then per client
 count runs that many clients, each streaming chat completions of different prompts one after
@@ -50,13 +50,13 @@ FOLLOW_UPS = ["Now add type hints.", "Now add a docstring.", "Now write one test
 
 def prompt_set(name: str) -> list:
     """The prompts of a load: asks (a short function per topic: open generation), chat (each ask
-    followed by FOLLOW_UPS, the history re-sent every turn) or code-edit (eval.speculation's: code to
+    followed by FOLLOW_UPS, the history re-sent every turn) or code-edit (eval.benchmarks.speculation's: code to
     return with a change, where prompt lookup proposes well)."""
     if name == "asks":
         return ASKS
     if name == "chat":
         return [[ask, *FOLLOW_UPS] for ask in ASKS]
-    from eval.speculation import prompt_sets
+    from eval.benchmarks.speculation import prompt_sets
     return prompt_sets([name], None)[name]
 
 
@@ -165,8 +165,8 @@ def hostile_request(port: int, kind: int) -> bool:
 
 
 def long_prompt_text(tokens: int) -> str:
-    """About `tokens` tokens of code (eval.speculation's code-edit sources, repeated) to summarize."""
-    from eval.speculation import prompt_sets
+    """About `tokens` tokens of code (eval.benchmarks.speculation's code-edit sources, repeated) to summarize."""
+    from eval.benchmarks.speculation import prompt_sets
     code = "\n\n".join(prompt_sets(["code-edit"], None)["code-edit"])
     text = (code * (1 + 4 * tokens // len(code)))[:int(3.6 * tokens)]  # ~3.6 characters a token (the demo's tokenizer)
     return f"Summarize what this code does in one sentence.\n\n{text}"
@@ -311,7 +311,7 @@ def health(port: int) -> dict:
               help="one more client sending a prompt of about this many tokens while the others run")
 @click.option("--prompts", type=click.Choice(["asks", "chat", "code-edit"]), default="asks", show_default=True,
               help="the user messages: a short function per topic, multi-turn chats on them (a request per "
-                   "turn), or eval.speculation's code edits")
+                   "turn), or eval.benchmarks.speculation's code edits")
 @click.option("--llama-server", "llama_server", type=click.Path(exists=True, path_type=Path),
               help="llama.cpp's llama-server binary: also run the load against it (with --gguf), -np max-batch -cb")
 @click.option("--gguf", type=click.Path(exists=True, path_type=Path), help="the GGUF llama-server serves")

@@ -1,4 +1,4 @@
-"""eval.scale writes random-weight checkpoints of real Qwen2.5 shapes that qlite loads and runs (the
+"""eval.benchmarks.scale writes random-weight checkpoints of real Qwen2.5 shapes that qlite loads and runs (the
 measurements themselves are for BENCHMARKS.md: too big for CI)."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eval.scale import SHAPES, main
+from eval.benchmarks.scale import SHAPES, main
 from qlite.loader import load_model
 from tiny_models import make_checkpoint
 
@@ -105,7 +105,7 @@ def test_measure_runs_llama_cpps_converter_and_quantizer_on_the_same_checkpoint(
 
 def test_plot_draws_the_cost_table(tmp_path):
     pytest.importorskip("matplotlib")
-    from eval.scale import plot
+    from eval.benchmarks.scale import plot
     rows = [{"recipe": r, "params": p, "seconds": s, "peak": 2**30, "error": ""}
             for r in ("rtn", "llama.cpp Q4_0") for p, s in ((5e8, 20.0), (7.6e9, 300.0))]
     plot(rows + [{**rows[0], "error": "died"}], tmp_path / "cost.png")

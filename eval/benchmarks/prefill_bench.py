@@ -2,7 +2,7 @@
 for each length T a forward of T random tokens into a fresh cache (last logits only), repeated; prints the
 median and min-max. For comparing two trees side by side: run it with each on PYTHONPATH, in turn.
 
-    python -m eval.prefill_bench MODEL_DIR 512 2048 [--kv-cache int4] [--repeats 3]
+    python -m eval.benchmarks.prefill_bench MODEL_DIR 512 2048 [--kv-cache int4] [--repeats 3]
 """
 from __future__ import annotations
 
