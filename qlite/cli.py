@@ -406,7 +406,8 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
 @click.option("--damp", type=Number(float, 0, low_open=True, rule="> 0"), default=0.3, show_default=True,
               help="act-rtn, GPTQ: dampening, share of mean diag(H) added to its diagonal")
 @click.option("--target-bpw", type=Number(float, 0, low_open=True, rule="> 0"),
-              help="choose a format for every tensor (int4-g128, int4k-g64/g32, int8, int8-g32, 16-bit) by its "
+              help="choose a format for every tensor (int2k-g32, int2k-g16, int3k-g32, "
+              "int3k-g16, int4-g128, int4k-g64, int4k-g32, int8, int8-g32, 16-bit) by its "
               "measured sensitivity: the least-KLD mix whose tensors take at most this many bits per parameter (minutes)")
 @click.option("--no-slower-than", metavar="FORMAT",
               help="with --target-bpw: a mix whose estimated decode step is no longer than the model's in FORMAT "

@@ -202,3 +202,15 @@ def test_sub_4_bit_formats_join_the_mix_where_the_budget_needs_them(src, tmp_pat
         formats = json.loads((s.out_dir / "config.json").read_text())["quantization_config"]["module_formats"]
         assert bool({f for f in formats.values() if f.startswith(("int3k", "int2k"))}) == takes_low, formats
         assert written_bits_per_parameter(src, s.out_dir) <= bpw
+
+
+def test_the_cli_names_every_format_target_bpw_chooses_among():
+    """--target-bpw's help keeps its list literal (naming them from qlite.formats would load torch for
+    `qlite --help`): it names each budget candidate, and no other format."""
+    import re
+    from qlite.cli import quantize
+    from qlite.formats import budget_candidates
+
+    help_text = next(p for p in quantize.params if p.name == "target_bpw").help
+    named = set(re.findall(r"\bint\d+k?(?:-g\d+)?\b", help_text))
+    assert named == {f.name for f in budget_candidates()}
