@@ -110,7 +110,7 @@ def float_layer(ckpt: CheckpointDir, cfg, i: int, experts_as_stored: bool = Fals
     experts_as_stored: a mixture's experts keep the stored dtype, each product widening its expert alone
     (for passes that only read the weights: a float32 layer of Qwen3-30B-A3B's 128 experts is 2.4 GB)."""
     with torch.device("meta"):
-        layer = DecoderLayer(cfg, i)  # shapes only: each tensor is then made once, in float32
+        layer = DecoderLayer(cfg, i)  # shapes only: each tensor is then made once, in float32 (or as stored)
     state = {}
     for key, parts in checkpoint_layout(layer).items():
         stored = [ckpt.read(f"model.layers.{i}.{name}") for name, _ in parts]
@@ -121,10 +121,9 @@ def float_layer(ckpt: CheckpointDir, cfg, i: int, experts_as_stored: bool = Fals
             whole[row:row + t.shape[0]].copy_(t)
             row += t.shape[0]
     layer.load_state_dict(state, assign=True)
-    if experts_as_stored:
-        for name, linear in layer.named_modules():
-            if ".experts." in name and isinstance(linear, Linear):
-                linear.kernel = lambda x, w=linear.weight: _Widened.apply(x, w)
+    for linear in layer.modules():  # the experts kept as stored (no bias)
+        if isinstance(linear, Linear) and linear.weight.dtype != torch.float32:
+            linear.kernel = lambda x, w=linear.weight: _Widened.apply(x, w)
     return layer
 
 
