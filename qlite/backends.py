@@ -24,7 +24,7 @@ from torch import nn
 from . import native, native_moe
 from .errors import QliteError
 from .kernels import (AtenInt4, AtenInt8, BnbInt8, BnbNF4, NativeBf16, NativeInt4, NativeInt8, NativeLowBit, Reference,
-                      VnniInt4, VnniInt8)
+                      VnniInt4, VnniInt8, VnniLowBit)
 from .fused import FusedLayers
 from .decoder.causal_lm import Decoder
 from .decoder.linear import Linear
@@ -100,7 +100,7 @@ class Backend:
 
 
 NATIVE_A16 = (NativeInt8, NativeInt4, NativeLowBit)
-NATIVE_QUANTIZED = (VnniInt8, VnniInt4, *NATIVE_A16)
+NATIVE_QUANTIZED = (VnniInt8, VnniInt4, VnniLowBit, *NATIVE_A16)
 BACKENDS = {
     "reference": Backend((Reference,), (), TorchOps),
     "aten": Backend((AtenInt8, AtenInt4), (), TorchOps, quantized_only=True),

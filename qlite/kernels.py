@@ -17,7 +17,8 @@ needs and is called with the activations. backends.py says which kernels a backe
   count (which the prompt cache needs: backends.exact_prefill). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
   vpmaddwd.
 - native-lowbit (CPU with AVX-512 BF16, or AVX2 + FMA): int3k / int2k with bf16 activations, as native's int4
-  (csrc/lowbit.h); a prefill dequantizes to bf16.
+  (csrc/lowbit.h); a prefill dequantizes to bf16. vnni-lowbit (AVX2's kernels): int3k / int2k in lanes with int8
+  activations, as vnni's int4, at every row count.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -244,6 +245,31 @@ class NativeLowBit(_Native):
         return {**_Native.own_buffers(layer), "bits": layer.fmt.bits}
 
 
+class VnniLowBit(NativeLowBit):
+    """int3k / int2k with int8 activations in k order and integer dot products in lanes (csrc/lanes.h), as VnniInt4:
+    one product at every row count, prefill included, each row's result the same at any row count. AVX2's kernels
+    so far (on AVX-512, NativeLowBit). Codes and scale bytes tiled (native.tile_lowbit): copies made at load in
+    place of the file's."""
+    name = "vnni-lowbit"
+    copies = ("qweight", "scales")
+    exact_rows = sys.maxsize
+    prepare = staticmethod(native.vnni_lowbit_product)
+
+    def __call__(self, x):
+        return self.product(x).to(x.dtype)
+
+    @staticmethod
+    def supports(layer) -> bool:
+        return (NativeLowBit.supports(layer) and native.lowbit_lanes_ready()
+                and native.CHUNK % (layer.in_features // layer.fmt.groups(layer.in_features)) == 0)
+
+    @staticmethod
+    def own_buffers(layer) -> dict:
+        stored = NativeLowBit.own_buffers(layer)
+        codes, scale_bytes = native.tile_lowbit(stored["qweight"], stored["scales"])
+        return {**stored, "qweight": codes, "scales": scale_bytes}
+
+
 def _vnni_fits(layer) -> bool:
     return native.vnni_ready() and native.vnni_fits(layer.in_features, layer.in_features // layer.fmt.groups(layer.in_features))
 
@@ -281,9 +307,11 @@ class VnniInt8(_TiledCodes, NativeInt8):
 
 def dequantized_for_prefill(fmt, in_features: int) -> bool:
     """Whether a prefill dequantizes a quantized layer of this format to bf16 for one matmul (fit.py's
-    scratch): not the layers an integer-activation product takes (VnniInt4, VnniInt8: every row count)."""
-    return not (isinstance(fmt, (Int4, Int8)) and native.vnni_ready()
-                and native.vnni_fits(in_features, in_features // fmt.groups(in_features)))
+    scratch): not the layers an integer-activation product takes (VnniInt4, VnniInt8, VnniLowBit: every row count)."""
+    group_size = in_features // fmt.groups(in_features)
+    if isinstance(fmt, IntLowK):
+        return not (native.lowbit_lanes_ready() and in_features % native.CHUNK == 0 and native.CHUNK % group_size == 0)
+    return not (isinstance(fmt, (Int4, Int8)) and native.vnni_ready() and native.vnni_fits(in_features, group_size))
 
 
 class VnniInt4(_TiledCodes, NativeInt4):

@@ -48,6 +48,8 @@ SIGNATURES = {
     "qlite_dequantize_int4": [_P, _P, _P, _P, _L, _L, _L, _P, _I],
     "qlite_gemv_lowbit": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_dequantize_lowbit": [_P, _P, _P, _I, _L, _L, _L, _P, _I],
+    "qlite_gemv_vnni_lowbit": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
+    "qlite_tile_rows": [_P, _P, _L, _L, _L, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L, _I, _P, _P, _I],
@@ -64,6 +66,7 @@ PRODUCT_ARGS = {  # each product function's weight arguments, by decode_step.h's
     "qlite_gemv_int4": ("w", "scales", "row_scales", "zeros", "G", "N", "K"),
     "qlite_gemv_vnni": ("w", "scales", "row_scales", "zeros", "int4", "G", "N", "K"),
     "qlite_gemv_lowbit": ("w", "scales", "row_scales", "bits", "G", "N", "K"),
+    "qlite_gemv_vnni_lowbit": ("w", "scales", "row_scales", "bits", "G", "N", "K"),
 }
 
 
@@ -262,6 +265,38 @@ def _check_lowbit(qweight, scales, row_scales, bits: int) -> None:
     _check_rule(K % CHUNK == 0 and 0 < G <= LOWBIT_MAX_GROUPS and K % G == 0 and (K // G == 16 or (K // G) % 32 == 0),
                 f"{G} groups over {K} inputs (K a multiple of {CHUNK}, at most {LOWBIT_MAX_GROUPS} groups of 16 or a "
                 f"multiple of 32)")
+
+
+def lowbit_lanes_ready() -> bool:
+    """Whether int3k / int2k have integer-activation products on this CPU (lanes.h; AVX2's kernels so far: the
+    AVX-512 ones keep lowbit_product)."""
+    return library() is not None and hasattr(library(), "qlite_gemv_vnni_lowbit")
+
+
+def tile_lowbit(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int3k / int2k codes [N, bits K / 8] and scale bytes [N, G] as stored -> copies in lanes (lanes.h): blocks of
+    lanes_rows() rows, the codes a 4-byte word of each row side by side, the scale bytes a group of each row side by
+    side. Same shapes, same bytes, another order."""
+    _check_rule(lowbit_lanes_ready(), "no integer-activation products for int3k / int2k on this CPU")
+    codes, scale_bytes = torch.empty_like(qweight), torch.empty_like(scales)
+    for src, dst, unit in ((qweight, codes, 4), (scales, scale_bytes, 1)):
+        _check_rule(src.dtype == torch.uint8 and src.dim() == 2 and src.is_contiguous() and src.shape[1] % unit == 0,
+                    f"uint8 rows of whole {unit}-byte units, contiguous: {src.dtype} {tuple(src.shape)}")
+        library().qlite_tile_rows(src.data_ptr(), dst.data_ptr(), src.shape[0], src.shape[1], unit,
+                                  torch.get_num_threads())
+    return codes, scale_bytes
+
+
+def vnni_lowbit_product(qweight, scales, row_scales, bits: int, bias32=None) -> Product:
+    """lowbit_product's with x quantized first to int8 in k order, absmax / 127 per row and group (span: the group,
+    at most CHUNK inputs), and integer dot products: not exact in x (lanes.h). Codes and scale bytes tiled
+    (tile_lowbit); groups of 16, 32, 64 or 128."""
+    N, K, G = qweight.shape[0], 8 * qweight.shape[1] // bits, scales.shape[-1]
+    _check_lowbit(qweight, scales, row_scales, bits)
+    _check_rule(lowbit_lanes_ready() and CHUNK % (K // G) == 0,
+                f"{G} groups over {K} inputs: groups of 16, 32, 64 or 128 (or no integer-activation products)")
+    return Product("qlite_gemv_vnni_lowbit", N, K, (qweight, scales, row_scales),
+                   (qweight.data_ptr(), scales.data_ptr(), row_scales.data_ptr(), bits, G, N, K), bias32)
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,7 @@ class Preset:
     least_bits: int = 0  # a mix's fewest-bit candidates (a 4-bit preset mixes nothing below 4 bits)
 
 
+GPTQ_CALIBRATION = dict(calib="builtin", nsamples=32, seqlen=512, act_order=True, damp=0.3)
 PRESETS = {
     "fast": Preset("int4-g128 everywhere but an int8 lm_head and table, round to nearest: seconds",
                    fixed=dict(bits=4, group_size=128)),
@@ -35,15 +36,15 @@ PRESETS = {
     "q4-gptq": Preset("the same budget and speed, the mix chosen from 8 windows and quantized with GPTQ "
                       "(32 calibration windows, act-order): minutes",
                       rate=4.5, no_slower_than="int4-g128", method="gptq",
-                      calibration=dict(calib="builtin", nsamples=32, seqlen=512, act_order=True, damp=0.3),
-                      least_bits=4),
+                      calibration=GPTQ_CALIBRATION, least_bits=4),
     "q8": Preset("the least-KLD mix at Q8_0's rate (8.5 bits per weight), round to nearest: minutes", rate=8.5,
                  least_bits=4),
-    "q3": Preset("the least-KLD mix at 3.5 bits per weight (llama.cpp's Q3_K: 3.44) of every format, int3k and int2k "
-                 "included, round to nearest, sensitivities as q4's: minutes", rate=3.5,
-                 sensitivity=dict(windows=2, samples=2, data="chat")),
-    "q2": Preset("the same at 2.6 bits per weight (llama.cpp's Q2_K: 2.63)", rate=2.6,
-                 sensitivity=dict(windows=2, samples=2, data="chat")),
+    "q3": Preset("the least-KLD mix at 3.5 bits per weight (llama.cpp's Q3_K: 3.44) of the 3-bit formats and up "
+                 "(int3k; not int2k, whose real cost the estimate understates), quantized with GPTQ as q4-gptq: "
+                 "minutes", rate=3.5, method="gptq", calibration=GPTQ_CALIBRATION, least_bits=3),
+    "q2": Preset("the least-KLD mix at 2.6 bits per weight (llama.cpp's Q2_K: 2.63) of every format, int2k "
+                 "included, quantized with GPTQ as q4-gptq: minutes", rate=2.6, method="gptq",
+                 calibration=GPTQ_CALIBRATION),
 }
 DEFAULT = "q4"
 

@@ -1,7 +1,9 @@
 """The low-bit products against int4-g128's at Qwen2.5-7B's decode shapes: one activation row, random weights,
 copies of each weight past the caches (COPY_BYTES each), call by call interleaved so that machine noise hits all
 alike. int4-g128 runs its decode product (integer activations, codes tiled in lanes); int3k / int2k their
-bf16-activation products (csrc/lowbit.h). Prints a markdown table: ms, GB/s of stored bytes, time over int4-g128's.
+bf16-activation products (csrc/lowbit.h) and, where the CPU has them (native.lowbit_lanes_ready), their
+integer-activation products in lanes ("lanes" rows). Prints a markdown table: ms, GB/s of stored bytes, time over
+int4-g128's.
 
     python -m eval.benchmarks.low_bit_products [CALLS]
 """
@@ -18,13 +20,22 @@ from qlite.formats import Int2K, Int3K, Int4
 
 SHAPES = [(2 * 18944, 3584), (3584, 18944), (4608, 3584)]  # gate|up, down, q|k|v
 FORMATS = {"int4-g128": Int4(128, False), "int3k-g32": Int3K(32), "int3k-g16": Int3K(16), "int2k-g16": Int2K(16)}
-COPY_BYTES = 1.2e9
+COPY_BYTES = 0.5e9  # past the largest L3 here (260 MiB); 7 formats x 3 shapes stay under 11 GB
 
 
 def product(name: str, stored: dict):
     if name.startswith("int4"):
         return native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored["zeros"])
-    return native.lowbit_product(stored["qweight"], stored["scales"], stored["row_scales"], FORMATS[name].bits)
+    fmt = FORMATS[name.removesuffix(" lanes")]
+    if name.endswith(" lanes"):
+        codes, scale_bytes = native.tile_lowbit(stored["qweight"], stored["scales"])
+        return native.vnni_lowbit_product(codes, scale_bytes, stored["row_scales"], fmt.bits)
+    return native.lowbit_product(stored["qweight"], stored["scales"], stored["row_scales"], fmt.bits)
+
+
+def names() -> list[str]:
+    lanes = [f"{name} lanes" for name in FORMATS if not name.startswith("int4")] if native.lowbit_lanes_ready() else []
+    return [*FORMATS, *lanes]
 
 
 def main(calls: int = 30) -> None:
@@ -32,8 +43,8 @@ def main(calls: int = 30) -> None:
     products = {}
     for n, k in SHAPES:
         w = torch.randn(n, k) * 0.02
-        for name, fmt in FORMATS.items():
-            stored = fmt.quantize(w)
+        for name in names():
+            stored = FORMATS[name.removesuffix(" lanes")].quantize(w)
             nbytes = sum(t.numel() * t.element_size() for t in stored.values())
             copies = [product(name, {key: t.clone() for key, t in stored.items()}) for _ in range(max(1, int(COPY_BYTES // nbytes)))]
             products[n, k, name] = copies, nbytes

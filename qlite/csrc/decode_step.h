@@ -7,7 +7,8 @@
  * allocations per layer. A file defines INTEGER_PRODUCTS where it has qlite_gemv_vnni. */
 
 typedef struct {  /* one product, as native.Product holds it */
-    int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni), 4 int3k / int2k */
+    int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni), 4 int3k / int2k,
+                * 5 int3k / int2k with integer activations (qlite_gemv_vnni_lowbit) */
     int int4;  /* kind 3: int4 weights (else int8) */
     const void *w;
     const void *scales;  /* fp16, or int4k's uint8 codes under row_scales (int3k / int2k: codes and zero points) */
@@ -15,7 +16,7 @@ typedef struct {  /* one product, as native.Product holds it */
     const uint8_t *zeros;
     long G, N, K;
     const float *bias;
-    int bits;  /* kind 4 (qlite_gemv_lowbit): 3 or 2 */
+    int bits;  /* kinds 4 and 5: 3 or 2 */
 } qlite_product;
 
 typedef struct {  /* one SwiGLU's products (an expert's): gate|up as one product or two side by side, down */
@@ -56,6 +57,10 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
                             threads); break;
 #endif
     case 4: qlite_gemv_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1, threads); break;
+#ifdef LOWBIT_LANES
+    case 5: qlite_gemv_vnni_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1,
+                                   threads); break;
+#endif
     }
 }
 

@@ -172,8 +172,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {  /* 16 bf16 -> fp32 */
 }
 
 /* lanes.h's quantize_lanes_row: one activation row's int8, scales and sums per span */
-static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum) {
-    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum, int natural) {
+    const __m128i even_odd = natural ? _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                     : _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     for (long s = 0; s < K / span; s++) {
         const uint16_t *src = x + s * span;
         __m512 amax_v = _mm512_setzero_ps();

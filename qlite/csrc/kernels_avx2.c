@@ -176,8 +176,8 @@ static inline float absmax_bf16(const uint16_t *p, long n) {
 #define LGROUP 8  /* blocks a thread takes at a time past 16 rows: each activation block read once for 64 weight rows */
 
 /* lanes.h's quantize_lanes_row: one activation row's int8, scales and sums per span */
-static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum) {
-    const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+static void quantize_lanes_row(const uint16_t *x, long K, long span, int8_t *xa, float *xd, int32_t *xsum, int natural) {
+    const __m256i even_odd = natural ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) : _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (long s = 0; s < K / span; s++) {
         const uint16_t *src = x + s * span;
         float amax = absmax_bf16(src, span), inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -458,6 +458,104 @@ static inline __attribute__((always_inline)) void lanes_tile_int8_pair(
         pair_float_step(a0, a1, sw0 + g * LROWS, sw1 + g * LROWS, xd + j, S, mt, f0, f1);
     }
     pair_totals(f0, f1, mt, t0, t1);
+}
+
+/* ---- int3k / int2k in lanes (lanes.h): LROWS rows' 4-byte words side by side, a shift and a mask make the
+ * codes of 4 inputs a byte each (int3: the high plane's bit moved to bit 2 and or-ed in), vpmaddubsw against 4 int8
+ * activations in k order, s16 sums widened to s32 every 32 inputs (at most 8 x 2 x 7 x 127: no saturation) ---- */
+#define LOWBIT_LANES
+
+static inline __m256i lowbit_words(const uint8_t *p, long bn, __m256i live) {  /* LROWS rows' words */
+    return bn == LROWS ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskload_epi32((const int *)p, live);
+}
+
+/* the codes of inputs kk .. kk + 3 (kk a multiple of 4, a constant where unrolled) of a 128-input chunk, a byte each,
+ * for the block's rows */
+static inline __attribute__((always_inline)) __m256i lowbit_codes4(const uint8_t *chunk, long bn, const int bits,
+                                                                   const int kk, __m256i live) {
+    const int t = kk / 32, w = kk % 32 / 4, j = kk / 16, h = kk % 16 / 4;
+    __m256i q = _mm256_and_si256(_mm256_srli_epi32(lowbit_words(chunk + w * bn * 4, bn, live), 2 * t), _mm256_set1_epi8(3));
+    if (bits == 3) {
+        __m256i high = lowbit_words(chunk + (8 + h) * bn * 4, bn, live);
+        high = j >= 2 ? _mm256_srli_epi32(high, j - 2) : _mm256_slli_epi32(high, 2 - j);
+        q = _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(4)));
+    }
+    return q;
+}
+
+/* lanes_tile_lowbit for mt <= INT4_TILE rows: each 128 inputs' 32 steps of 4 unrolled (constant shifts), spans
+ * (the groups: 16, 32, 64 or 128 inputs) starting and ending inside them, counted (no division in the loop) */
+static inline __attribute__((always_inline)) void lanes_tile_lowbit_part(
+        const uint8_t *block, const uint8_t *sblock, __m256 d, long bn, long K, long S, long span, long gsize, long k0,
+        long kc, const int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
+    const __m256i ones = _mm256_set1_epi16(1), zmask = _mm256_set1_epi32((1 << bits) - 1);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)bn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const long edge = span - 1;
+    long s = k0 / span;  /* the span (and group) at hand */
+    (void)gsize;  /* = span: vnni_lowbit_product takes groups that divide CHUNK */
+    __m256 f[INT4_TILE], ws = _mm256_setzero_ps();
+    __m256i acc[INT4_TILE], p[INT4_TILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm256_setzero_ps();
+    for (long c = k0; c < k0 + kc; c += 128) {
+        const uint8_t *chunk = block + c / 128 * 16 * bits * bn;
+        for (int line = 0; line < 2 * bits; line++)  /* a full block's 128 inputs: 16 bits LROWS bytes, 2 bits lines */
+            _mm_prefetch((const char *)chunk + TILE_AHEAD + 64 * line, _MM_HINT_T2);
+        #pragma GCC unroll 32
+        for (int i = 0; i < 32; i++) {
+            const long k = c + 4 * i;
+            if ((k & edge) == 0) {  /* a span starts: its group's fp16(d c) (lowbit_scale), zero point and sums */
+                uint8_t sbytes[LROWS] = {0};  /* the group's scale bytes c << bits | z, a row's each */
+                if (bn < LROWS)
+                    memcpy(sbytes, sblock + s * bn, bn);
+                __m256i sb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bn < LROWS ? sbytes : sblock + s * bn)));
+                __m256 code = _mm256_cvtepi32_ps(_mm256_srli_epi32(sb, bits));
+                ws = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(d, code), _MM_FROUND_TO_NEAREST_INT));
+                __m256i zv = _mm256_and_si256(sb, zmask);
+                for (int m = 0; m < mt; m++) acc[m] = _mm256_mullo_epi32(zv, _mm256_set1_epi32(-xsum[m * S + s]));
+            }
+            if (i % 8 == 0 || (k & edge) == 0)
+                for (int m = 0; m < mt; m++) p[m] = _mm256_setzero_si256();
+            __m256i q = lowbit_codes4(chunk, bn, bits, 4 * i, live);
+            for (int m = 0; m < mt; m++) {
+                int32_t x4;
+                memcpy(&x4, xa + m * K + k, 4);
+                p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(q, _mm256_set1_epi32(x4)));
+                KEEP_IN_REGISTER(p[m]);
+            }
+            if (i % 8 == 7 || ((k + 4) & edge) == 0)  /* s16 sums of at most 32 inputs widened */
+                for (int m = 0; m < mt; m++) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p[m], ones));
+            if (((k + 4) & edge) == 0) {  /* the span ends */
+                for (int m = 0; m < mt; m++)
+                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(_mm256_set1_ps(xd[m * S + s]), ws), f[m]);
+                s++;
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        _mm256_store_ps(total + m * LROWS, _mm256_add_ps(_mm256_load_ps(total + m * LROWS), f[m]));
+}
+
+/* lanes.h's lanes_tile_lowbit: total [mt, LROWS] += one block's products with mt activation rows, INT4_TILE at a time;
+ * compiled once (not inlined): its unrolled copies are one for a full block at 1 row and at INT4_TILE rows, and one
+ * for any other (a last partial block, a prefill's last rows), for each width */
+static __attribute__((noinline)) void lanes_tile_lowbit(
+        const uint8_t *block, const uint8_t *sblock, const uint16_t *row_scales, long bn, long K, long S, long span,
+        long gsize, long k0, long kc, int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt,
+        float *total) {
+    uint16_t rs[LROWS] = {0};  /* the rows' d */
+    memcpy(rs, row_scales, sizeof(uint16_t) * bn);
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rs));
+    for (int m0 = 0; m0 < mt; m0 += INT4_TILE) {
+        int rows = mt - m0 < INT4_TILE ? mt - m0 : INT4_TILE;
+        #define LOWBIT_PART(BN, BITS, ROWS) lanes_tile_lowbit_part(block, sblock, d, BN, K, S, span, gsize, k0, kc, BITS, \
+            xa + m0 * K, xd + m0 * S, xsum + m0 * S, ROWS, total + m0 * LROWS)
+        #define BY_BITS(BN, ROWS) do { if (bits == 3) LOWBIT_PART(BN, 3, ROWS); else LOWBIT_PART(BN, 2, ROWS); } while (0)
+        if (bn == LROWS && rows == 1) BY_BITS(LROWS, 1);  /* a full block: no mask in the loop */
+        else if (bn == LROWS && rows == INT4_TILE) BY_BITS(LROWS, INT4_TILE);
+        else BY_BITS(bn, rows);
+        #undef BY_BITS
+        #undef LOWBIT_PART
+    }
 }
 
 #include "lanes.h"

@@ -1,6 +1,6 @@
-/* int4 and int8 weights in lanes: their products at every row count (decode, verification, a batch, prefill), the
- * same in both kernel files (kernels.c: 16 lanes of AVX-512, kernels_avx2.c: 8 of AVX2), and the entry points of
- * the integer-activation products.
+/* int4 and int8 weights in lanes (and int3k / int2k, below): their products at every row count (decode, verification,
+ * a batch, prefill), the same in both kernel files (kernels.c: 16 lanes of AVX-512, kernels_avx2.c: 8 of AVX2), and
+ * the entry points of the integer-activation products.
  * A product that keeps one dot product in a vector's lanes pays float work per 8 inputs; from a few rows on,
  * that float work bounds it (BENCHMARKS.md, "the few-row products against this CPU's arithmetic"). Here the
  * lanes are weight rows instead: the codes tiled in blocks of LROWS rows, [K / 8][rows][4 bytes] (a row's 4
@@ -13,9 +13,9 @@
  * verification pass or a batch keeps each row's decode bits.
  * Each file defines, before including this: LROWS (lanes), LTILE (activation rows per pass over a block's
  * inputs), LGROUP (blocks a thread takes at a time past 16 rows), and
- *   quantize_lanes_row(x, K, span, xa, xd, xsum)   one activation row x bf16 [K] -> xa int8 [K] (each 8 inputs:
- *     the 4 even, then the 4 odd, as a lanes word's nibbles), xd fp32 [S] (absmax / 127 per span), xsum int32 [S]
- *     (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
+ *   quantize_lanes_row(x, K, span, xa, xd, xsum, natural)   one activation row x bf16 [K] -> xa int8 [K] (each 8
+ *     inputs: the 4 even, then the 4 odd, as a lanes word's nibbles; natural: in k order), xd fp32 [S] (absmax / 127
+ *     per span), xsum int32 [S] (each span's sum of xa); x * (127 / absmax) rounded to nearest even;
  *   lanes_tile(block, bn, K, S, span, gsize, k0, kc, xa, xd, xsum, swT, zT, mt, total)   total [mt, LROWS] += one
  *     block's (bn live rows) products with mt activation rows (xa, xd, xsum from the first; row stride K and S)
  *     over inputs k0 .. k0 + kc: per span sum (q - z) xa in integers (- z sum xa first), then the float steps
@@ -32,6 +32,12 @@
  *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
  *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
  *     two blocks, mt <= PAIR_TILE_INT8 rows (same bits)
+ * int3k / int2k in lanes, where the file defines LOWBIT_LANES: the stored codes (lowbit.h) tiled a 4-byte word at a
+ * time, [K / 128][4 bits words][rows][4 bytes] (a low-plane word's shift by 2 t and mask 3 gives inputs i .. i + 3 of
+ * the 128 plus 32 t, a byte each; a high-plane word's bit j of each byte is that of inputs i .. i + 3 plus 16 j),
+ * and the scale bytes tiled [G][rows]; activations int8 in k order, one integer multiply-add per 4 inputs of LROWS
+ * rows, the float steps above with each group's fp16(d c) and zero point made from its bytes in the tile:
+ *   lanes_tile_lowbit(block, sblock, row_scales, bn, K, S, span, gsize, k0, kc, bits, xa, xd, xsum, mt, total)
  */
 int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of either layout */
 #define LKC 512  /* inputs per block of float sums */
@@ -134,17 +140,17 @@ static void lanes_tables(const void *scales, const uint16_t *row_scales, const u
  * int8: w codes [N, K] in lanes, scales fp16 [N, G], zeros and row_scales NULL; y [M, N]. Threads
  * take blocks of LROWS weight rows (LGROUP of them past 16 rows). */
 static void lanes_product(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
-                          const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
-                          int threads) {
+                          const uint8_t *zeros, int int4, int lowbit, long G, long N, long K, const float *bias, void *y,
+                          int out_bf16, int threads) {
     long gsize = K / G, span = gsize < CHUNK ? gsize : CHUNK, S = K / span, rows_max = M < LMB ? M : LMB;
 #ifdef LANES_PAIRS
     /* int4's pair tile from 3 rows (at 1-2, weights from memory, it measured 0.91x; INT4_PAIRS 0: never), int8's at any
      * row count (1.01-1.10x at 1 row, 1.32-1.51x at 2) */
-    int pairs = int4 ? INT4_PAIRS && M > 2 : 1;
+    int pairs = lowbit ? 0 : int4 ? INT4_PAIRS && M > 2 : 1;
 #else
     int pairs = 0;
 #endif
-    long group = M > 16 ? LGROUP : pairs ? 2 : 1, step = group * LROWS, code_bytes = int4 ? K / 2 : K;
+    long group = M > 16 ? LGROUP : pairs ? 2 : 1, step = group * LROWS, code_bytes = lowbit ? K / 8 * lowbit : int4 ? K / 2 : K;
     /* iterations a thread takes at a time: 8 runs a thread on average; 2 for a batch's few rows, whose weights stream
      * better in longer runs (1.04-1.09x at 8 rows on AVX-512, BENCHMARKS.md, twelfth session) */
     long share = (N + step - 1) / step / ((M > 2 && M <= 16 ? 2 : 8) * threads) + 1;
@@ -162,7 +168,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
             #pragma omp for schedule(static)
             for (long m = 0; m < rows; m++) {
                 if (!int4) { quantize_int16_row(x + (m0 + m) * K, K, span, (int16_t *)xa + m * K, xd + m * S); continue; }
-                quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S);
+                quantize_lanes_row(x + (m0 + m) * K, K, span, xa + m * K, xd + m * S, xsum + m * S, lowbit != 0);
             }
             /* runs of blocks taken as threads come free (share above): where another process takes a
              * core for a while, the other threads take its share instead of waiting for it at the end */
@@ -171,7 +177,8 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                 long blocks = ((N - n < step ? N - n : step) + LROWS - 1) / LROWS;
                 for (long b = 0; b < blocks; b++) {
                     long nb = n + b * LROWS, bn = N - nb < LROWS ? N - nb : LROWS;
-                    lanes_tables(scales, row_scales, zeros, nb, bn, G, room, swT + b * G * LROWS, zT + b * G * LROWS);
+                    if (!lowbit)  /* int3k / int2k: each group's scales made in the tile */
+                        lanes_tables(scales, row_scales, zeros, nb, bn, G, room, swT + b * G * LROWS, zT + b * G * LROWS);
                 }
                 memset(total, 0, sizeof(float) * blocks * rows * LROWS);
                 for (long k0 = 0; k0 < K; k0 += LKC)
@@ -206,6 +213,13 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                             const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
                             const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
                             float *tm = total + (b * rows + mt0) * LROWS;
+#ifdef LOWBIT_LANES
+                            if (lowbit) {  /* its own row counts (kernels_avx2.c) */
+                                lanes_tile_lowbit(block, (const uint8_t *)scales + nb * G, row_scales + nb, bn, K, S, span, gsize,
+                                                  k0, kc, lowbit, xm, dm, sm, (int)(rows - mt0 < LTILE ? rows - mt0 : LTILE), tm);
+                                continue;
+                            }
+#endif
                             #define LANES_TILE(MT) do { if (int4) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm); \
                                 else lanes_tile_int8((const int8_t *)block, bn, K, S, span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, dm, sw, MT, tm); } while (0)
                             switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
@@ -254,5 +268,20 @@ void qlite_tile_codes(const uint8_t *src, uint8_t *dst, long N, long K, int int4
 void qlite_gemv_vnni(const uint16_t *x, long M, const void *w, const void *scales, const uint16_t *row_scales,
                      const uint8_t *zeros, int int4, long G, long N, long K, const float *bias, void *y, int out_bf16,
                      int threads) {
-    lanes_product(x, M, w, scales, row_scales, zeros, int4, G, N, K, bias, y, out_bf16, threads);
+    lanes_product(x, M, w, scales, row_scales, zeros, int4, 0, G, N, K, bias, y, out_bf16, threads);
 }
+
+/* src [N, row_bytes] row-major -> dst in lanes, `unit` bytes of a row side by side with its block's others (int3k /
+ * int2k: codes 4, scale bytes 1); native.tile_lowbit */
+void qlite_tile_rows(const uint8_t *src, uint8_t *dst, long N, long row_bytes, long unit, int threads) {
+    tile_lanes(src, dst, N, row_bytes, unit, threads);
+}
+
+#ifdef LOWBIT_LANES
+/* x bf16 [M, K] times int3k / int2k weights (bits 3 or 2): codes and scale bytes as qlite_tile_rows lays them out,
+ * row_scales fp16 [N] */
+void qlite_gemv_vnni_lowbit(const uint16_t *x, long M, const uint8_t *w, const uint8_t *scales, const uint16_t *row_scales,
+                            int bits, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
+    lanes_product(x, M, w, scales, row_scales, NULL, 1, bits, G, N, K, bias, y, out_bf16, threads);
+}
+#endif

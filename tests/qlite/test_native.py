@@ -294,10 +294,37 @@ def test_lowbit_products_match_the_dequantized_matmul(fmt, rows, n):
         native.lowbit_product(q[:, :-1], scales, d, fmt.bits)
 
 
+@pytest.mark.parametrize("fmt", [Int3K(16), Int3K(32), Int3K(128), Int2K(16), Int2K(64)], ids=str)
+@pytest.mark.parametrize("rows, n, K", [(1, 37, 384), (3, 40, 256), (17, 8, 512), (6, 130, 768)])  # partial blocks of
+def test_lowbit_products_in_lanes_are_the_products_with_integer_activations(fmt, rows, n, K):  # weight rows, and tiles
+    """int3k / int2k in lanes (lanes.h): the matmul of the dequantized weight with the activations' int8 image per
+    group (computed independently), to fp32 rounding; each row's result the same at any row count; tiling keeps
+    every byte."""
+    if not native.lowbit_lanes_ready():
+        pytest.skip("no integer-activation products for int3k / int2k with these kernels (AVX-512: not written)")
+    stored = fmt.quantize(torch.randn(n, K, generator=gen(0)) * torch.logspace(-3, 0, n)[:, None])
+    x = torch.randn(rows, K, generator=gen(1))
+    x[:, 5] *= 100  # an outlier channel: its group's scale widens
+    x = x.bfloat16().float()  # float32 in, so float32 out
+    b = torch.randn(n, generator=gen(2))
+    w = fmt.dequantize(stored, K)
+    codes, scale_bytes = native.tile_lowbit(stored["qweight"], stored["scales"])
+    for tiled, as_stored in ((codes, stored["qweight"]), (scale_bytes, stored["scales"])):
+        assert torch.equal(tiled.flatten().sort().values, as_stored.flatten().sort().values)
+    product = native.vnni_lowbit_product(codes, scale_bytes, stored["row_scales"], fmt.bits, b)
+    got = product(x)
+    assert rel_err(got, F.linear(span_activations(x, min(fmt.group_size, native.CHUNK)), w, b)) < 2e-5  # measured 1-5e-7
+    assert rel_err(got, F.linear(x, w, b)) < 5e-2  # measured 0.7-3e-2: int8 activations, the outlier's group worst
+    assert torch.equal(got, torch.cat([product(x[i:i + 1]) for i in range(rows)]))
+    if K == 384 and fmt.group_size < 96:  # groups of 96: whole 32s (lowbit_product takes them), not a division of 128
+        with pytest.raises(ValueError, match="groups of 16, 32, 64 or 128"):
+            native.vnni_lowbit_product(codes, scale_bytes[:, :4].contiguous(), stored["row_scales"], fmt.bits)
+
+
 def test_a_lowbit_model_runs_on_its_native_products(tmp_path, monkeypatch):
-    """A checkpoint quantized to int3k runs every linear on NativeLowBit: a few rows (the product) and a prefill
-    (dequantize + matmul) give the reference kernel's logits up to bf16 rounding, and it generates (decode steps
-    in the fused C call)."""
+    """A checkpoint quantized to int3k runs every linear on VnniLowBit (integer activations in lanes) where these
+    kernels have it, else NativeLowBit: a few rows (the product) and a prefill give the reference kernel's logits
+    up to bf16 rounding (and int8 activations), and it generates (decode steps in the fused C call)."""
     from qlite import kernels
     from qlite.pipeline import load
     from quantize.convert import convert
@@ -306,11 +333,12 @@ def test_a_lowbit_model_runs_on_its_native_products(tmp_path, monkeypatch):
                   report=False).out_dir
     fast, ref = load_model(out), load_model(out, kernel="reference")
     names = {m.kernel.name for m in fast.modules() if isinstance(m, QuantLinear)}
-    assert names == {"native-lowbit"}, names
-    for length in (5, 40):  # at most native.MAX_ROWS rows: the product; more: a prefill
+    lanes = native.lowbit_lanes_ready()
+    assert names == {"vnni-lowbit" if lanes else "native-lowbit"}, names
+    for length in (5, 40):  # native-lowbit: at most native.MAX_ROWS rows the product, more a prefill
         ids = torch.randint(0, 500, (1, length), generator=gen(length))
-        with torch.no_grad():
-            assert rel_err(fast(ids).float(), ref(ids).float()) < 2e-2
+        with torch.no_grad():  # measured: 2.4e-2 with int8 activations
+            assert rel_err(fast(ids).float(), ref(ids).float()) < (4e-2 if lanes else 2e-2)
     monkeypatch.setattr(kernels._scratch, "buf", None, raising=False)
     with torch.inference_mode():  # the prefill's scratch buffer made here, then used outside (biases need grad)
         fast(ids)

@@ -22,7 +22,7 @@ RECIPES = {**{name: ["--preset", name] for name in PRESETS},
            "int3k": ["--format", "intk", "--bits", "3"],
            "int2k-gptq": ["--format", "intk", "--bits", "2", "--group-size", "16", "--method", "gptq", "--seqlen", "128"]}
 # else int4 somewhere (q8: int8 may be all); the sub-4-bit presets' budgets need int3k or int2k somewhere
-LINEAR_FORMAT = {"int3k": ("int3k-g32",), "int2k-gptq": ("int2k-g16",), "q3": ("int3k", "int2k"), "q2": ("int3k", "int2k")}
+LINEAR_FORMAT = {"int3k": ("int3k-g32",), "int2k-gptq": ("int2k-g16",), "q3": ("int3k",), "q2": ("int3k", "int2k")}
 IDS = torch.tensor([[3, 17, 250, 9, 100, 42, 7, 300, 12, 5]])
 
 
@@ -59,9 +59,9 @@ def test_loads_runs_and_reports(quantized):
     qcfg = q.config.quantization
     linear_formats = {qcfg.linear.name} | {f.name for _, f in qcfg.module_formats if f is not None}
     assert any(name.startswith(LINEAR_FORMAT.get(out.name, ("int4",))) for name in linear_formats) or "q8" in out.name
-    if out.name in ("q4", "q4-gptq", "q8"):  # the 4- and 8-bit presets mix nothing below int4
-        heads = {f.name for f in (qcfg.lm_head, qcfg.embeddings) if f is not None}
-        assert not any(name.startswith(("int3k", "int2k")) for name in linear_formats | heads)
+    if out.name in PRESETS:  # a preset mixes nothing below its least bits (q4, q4-gptq, q8: int4; q3: int3k)
+        formats = {qcfg.linear, qcfg.lm_head, qcfg.embeddings, *(f for _, f in qcfg.module_formats)} - {None}
+        assert min(f.bits for f in formats) >= PRESETS[out.name].least_bits
     if q.config.tie_word_embeddings and qcfg.shares_table(True) and qcfg.embeddings is not None:
         table, head = q.model.embed_tokens.stored(), q.lm_head.stored()
         assert table.keys() == head.keys() and all(head[k] is table[k] for k in table)
