@@ -587,7 +587,8 @@ class IntLowK(CodedScales, IntFormat, scheme="intk"):
     symmetric: bool = False
     lo = 0
     default_group_size = 32
-    # bf16-activation products (no integer-activation ones yet), timed as the others on an Intel machine: their
+    # the bf16-activation products (AVX2's integer-activation ones, vnni-lowbit, came later and are not in this
+    # table: it over-charges them), timed as the others on an Intel machine: their
     # steps' differences from int4-g128's there, scaled to the table's machine by the two machines' int4-g128
     # steps (BENCHMARKS.md "Below 4 bits: presets q3 and q2")
     decode_ps = {16: 45.9, 32: 37.2}

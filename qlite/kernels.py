@@ -260,8 +260,7 @@ class VnniLowBit(NativeLowBit):
 
     @staticmethod
     def supports(layer) -> bool:
-        return (NativeLowBit.supports(layer) and native.lowbit_lanes_ready()
-                and native.CHUNK % (layer.in_features // layer.fmt.groups(layer.in_features)) == 0)
+        return NativeLowBit.supports(layer) and native.lowbit_lanes_fit(layer.in_features, layer.fmt.group_size)
 
     @staticmethod
     def own_buffers(layer) -> dict:
@@ -310,7 +309,7 @@ def dequantized_for_prefill(fmt, in_features: int) -> bool:
     scratch): not the layers an integer-activation product takes (VnniInt4, VnniInt8, VnniLowBit: every row count)."""
     group_size = in_features // fmt.groups(in_features)
     if isinstance(fmt, IntLowK):
-        return not (native.lowbit_lanes_ready() and in_features % native.CHUNK == 0 and native.CHUNK % group_size == 0)
+        return not native.lowbit_lanes_fit(in_features, group_size)
     return not (isinstance(fmt, (Int4, Int8)) and native.vnni_ready() and native.vnni_fits(in_features, group_size))
 
 

@@ -273,6 +273,11 @@ def lowbit_lanes_ready() -> bool:
     return library() is not None and hasattr(library(), "qlite_gemv_vnni_lowbit")
 
 
+def lowbit_lanes_fit(in_features: int, group_size: int) -> bool:
+    """Whether vnni_lowbit_product takes a layer here: the kernels have it, groups that divide CHUNK (16-128)."""
+    return lowbit_lanes_ready() and in_features % CHUNK == 0 and CHUNK % group_size == 0
+
+
 def tile_lowbit(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int3k / int2k codes [N, bits K / 8] and scale bytes [N, G] as stored -> copies in lanes (lanes.h): blocks of
     lanes_rows() rows, the codes a 4-byte word of each row side by side, the scale bytes a group of each row side by
@@ -293,7 +298,7 @@ def vnni_lowbit_product(qweight, scales, row_scales, bits: int, bias32=None) -> 
     (tile_lowbit); groups of 16, 32, 64 or 128."""
     N, K, G = qweight.shape[0], 8 * qweight.shape[1] // bits, scales.shape[-1]
     _check_lowbit(qweight, scales, row_scales, bits)
-    _check_rule(lowbit_lanes_ready() and CHUNK % (K // G) == 0,
+    _check_rule(lowbit_lanes_fit(K, K // G),
                 f"{G} groups over {K} inputs: groups of 16, 32, 64 or 128 (or no integer-activation products)")
     return Product("qlite_gemv_vnni_lowbit", N, K, (qweight, scales, row_scales),
                    (qweight.data_ptr(), scales.data_ptr(), row_scales.data_ptr(), bits, G, N, K), bias32)

@@ -486,13 +486,12 @@ static inline __attribute__((always_inline)) __m256i lowbit_codes4(const uint8_t
 /* lanes_tile_lowbit for mt <= INT4_TILE rows: each 128 inputs' 32 steps of 4 unrolled (constant shifts), spans
  * (the groups: 16, 32, 64 or 128 inputs) starting and ending inside them, counted (no division in the loop) */
 static inline __attribute__((always_inline)) void lanes_tile_lowbit_part(
-        const uint8_t *block, const uint8_t *sblock, __m256 d, long bn, long K, long S, long span, long gsize, long k0,
-        long kc, const int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
+        const uint8_t *block, const uint8_t *sblock, __m256 d, long bn, long K, long S, long span, long k0, long kc,
+        const int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
     const __m256i ones = _mm256_set1_epi16(1), zmask = _mm256_set1_epi32((1 << bits) - 1);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)bn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const long edge = span - 1;
-    long s = k0 / span;  /* the span (and group) at hand */
-    (void)gsize;  /* = span: vnni_lowbit_product takes groups that divide CHUNK */
+    long s = k0 / span;  /* the span at hand, and its group: vnni_lowbit_product takes groups that divide CHUNK */
     __m256 f[INT4_TILE], ws = _mm256_setzero_ps();
     __m256i acc[INT4_TILE], p[INT4_TILE];
     for (int m = 0; m < mt; m++) f[m] = _mm256_setzero_ps();
@@ -540,14 +539,14 @@ static inline __attribute__((always_inline)) void lanes_tile_lowbit_part(
  * for any other (a last partial block, a prefill's last rows), for each width */
 static __attribute__((noinline)) void lanes_tile_lowbit(
         const uint8_t *block, const uint8_t *sblock, const uint16_t *row_scales, long bn, long K, long S, long span,
-        long gsize, long k0, long kc, int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt,
+        long k0, long kc, int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt,
         float *total) {
     uint16_t rs[LROWS] = {0};  /* the rows' d */
     memcpy(rs, row_scales, sizeof(uint16_t) * bn);
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rs));
     for (int m0 = 0; m0 < mt; m0 += INT4_TILE) {
         int rows = mt - m0 < INT4_TILE ? mt - m0 : INT4_TILE;
-        #define LOWBIT_PART(BN, BITS, ROWS) lanes_tile_lowbit_part(block, sblock, d, BN, K, S, span, gsize, k0, kc, BITS, \
+        #define LOWBIT_PART(BN, BITS, ROWS) lanes_tile_lowbit_part(block, sblock, d, BN, K, S, span, k0, kc, BITS, \
             xa + m0 * K, xd + m0 * S, xsum + m0 * S, ROWS, total + m0 * LROWS)
         #define BY_BITS(BN, ROWS) do { if (bits == 3) LOWBIT_PART(BN, 3, ROWS); else LOWBIT_PART(BN, 2, ROWS); } while (0)
         if (bn == LROWS && rows == 1) BY_BITS(LROWS, 1);  /* a full block: no mask in the loop */

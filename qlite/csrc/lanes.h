@@ -37,7 +37,8 @@
  * the 128 plus 32 t, a byte each; a high-plane word's bit j of each byte is that of inputs i .. i + 3 plus 16 j),
  * and the scale bytes tiled [G][rows]; activations int8 in k order, one integer multiply-add per 4 inputs of LROWS
  * rows, the float steps above with each group's fp16(d c) and zero point made from its bytes in the tile:
- *   lanes_tile_lowbit(block, sblock, row_scales, bn, K, S, span, gsize, k0, kc, bits, xa, xd, xsum, mt, total)
+ *   lanes_tile_lowbit(block, sblock, row_scales, bn, K, S, span, k0, kc, bits, xa, xd, xsum, mt, total)   (spans:
+ *     the groups, which divide CHUNK)
  */
 int qlite_int4_lanes(void) { return LROWS; }  /* native.lanes_rows: the rows of a block of either layout */
 #define LKC 512  /* inputs per block of float sums */
@@ -215,8 +216,8 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                             float *tm = total + (b * rows + mt0) * LROWS;
 #ifdef LOWBIT_LANES
                             if (lowbit) {  /* its own row counts (kernels_avx2.c) */
-                                lanes_tile_lowbit(block, (const uint8_t *)scales + nb * G, row_scales + nb, bn, K, S, span, gsize,
-                                                  k0, kc, lowbit, xm, dm, sm, (int)(rows - mt0 < LTILE ? rows - mt0 : LTILE), tm);
+                                lanes_tile_lowbit(block, (const uint8_t *)scales + nb * G, row_scales + nb, bn, K, S, span, k0,
+                                                  kc, lowbit, xm, dm, sm, (int)(rows - mt0 < LTILE ? rows - mt0 : LTILE), tm);
                                 continue;
                             }
 #endif
