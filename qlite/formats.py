@@ -587,11 +587,10 @@ class IntLowK(CodedScales, IntFormat, scheme="intk"):
     symmetric: bool = False
     lo = 0
     default_group_size = 32
-    # the bf16-activation products (AVX2's integer-activation ones, vnni-lowbit, came later and are not in this
-    # table: it over-charges them), timed as the others on an Intel machine: their
-    # steps' differences from int4-g128's there, scaled to the table's machine by the two machines' int4-g128
-    # steps (BENCHMARKS.md "Below 4 bits: presets q3 and q2")
-    decode_ps = {16: 45.9, 32: 37.2}
+    # the integer-activation products in lanes (vnni-lowbit), timed as the others on a Zen 4 machine (AVX-512): the
+    # medians of 18 interleaved rounds, their differences from int4-g128's, scaled by the table's int4-g128 step
+    # over that machine's (BENCHMARKS.md "int3k and int2k in lanes on AVX-512")
+    decode_ps = {16: 14.3, 32: 14.0}
 
     @classmethod
     def code_max(cls) -> int:  # the scale code's bits: those the zero point leaves of its byte
@@ -656,7 +655,7 @@ class Int3K(IntLowK, scheme="intk", bits=3):
 @dataclass(frozen=True)
 class Int2K(IntLowK, scheme="intk", bits=2):
     hi = 3
-    decode_ps = {16: 45.4, 32: 39.9}
+    decode_ps = {16: 11.7, 32: 9.9}
 
 
 # --- bitsandbytes' formats, quantized by bitsandbytes itself ------------------------------------------

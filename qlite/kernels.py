@@ -17,8 +17,8 @@ needs and is called with the activations. backends.py says which kernels a backe
   count (which the prompt cache needs: backends.exact_prefill). vpdpbusd / vpdpwssd, or on AVX2 vpmaddubsw /
   vpmaddwd.
 - native-lowbit (CPU with AVX-512 BF16, or AVX2 + FMA): int3k / int2k with bf16 activations, as native's int4
-  (csrc/lowbit.h); a prefill dequantizes to bf16. vnni-lowbit (AVX2's kernels): int3k / int2k in lanes with int8
-  activations, as vnni's int4, at every row count.
+  (csrc/lowbit.h); a prefill dequantizes to bf16. vnni-lowbit (AVX-512 VNNI or AVX2): int3k / int2k in lanes with
+  int8 activations, as vnni's int4, at every row count.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -247,9 +247,9 @@ class NativeLowBit(_Native):
 
 class VnniLowBit(NativeLowBit):
     """int3k / int2k with int8 activations in k order and integer dot products in lanes (csrc/lanes.h), as VnniInt4:
-    one product at every row count, prefill included, each row's result the same at any row count. AVX2's kernels
-    so far (on AVX-512, NativeLowBit). Codes and scale bytes tiled (native.tile_lowbit): copies made at load in
-    place of the file's."""
+    one product at every row count, prefill included, each row's result the same at any row count, and the same bits
+    on AVX-512 (16 rows a vector, vpdpbusd) as on AVX2 (8, vpmaddubsw). Codes and scale bytes tiled
+    (native.tile_lowbit): copies made at load in place of the file's."""
     name = "vnni-lowbit"
     copies = ("qweight", "scales")
     exact_rows = sys.maxsize

@@ -268,8 +268,8 @@ def _check_lowbit(qweight, scales, row_scales, bits: int) -> None:
 
 
 def lowbit_lanes_ready() -> bool:
-    """Whether int3k / int2k have integer-activation products on this CPU (lanes.h; AVX2's kernels so far: the
-    AVX-512 ones keep lowbit_product)."""
+    """Whether int3k / int2k have integer-activation products on this CPU (lanes.h: both kernel files; not AVX-512
+    without VNNI)."""
     return library() is not None and hasattr(library(), "qlite_gemv_vnni_lowbit")
 
 

@@ -20,7 +20,7 @@ from qlite.formats import Int2K, Int3K, Int4
 
 SHAPES = [(2 * 18944, 3584), (3584, 18944), (4608, 3584)]  # gate|up, down, q|k|v
 FORMATS = {"int4-g128": Int4(128, False), "int3k-g32": Int3K(32), "int3k-g16": Int3K(16), "int2k-g16": Int2K(16)}
-COPY_BYTES = 0.5e9  # past the largest L3 here (260 MiB); 7 formats x 3 shapes stay under 11 GB
+COPY_BYTES = 0.5e9  # past the largest L3 seen (260 MiB); 7 formats x 3 shapes stay under 11 GB
 
 
 def product(name: str, stored: dict):

@@ -13,8 +13,9 @@
  * Four weight rows at a time (independent accumulator chains, activations loaded once);
  * rows are split over OpenMP threads (torch's own libgomp, so no second thread pool).
  * With AVX-512 VNNI, qlite_gemv_vnni does the same products with the activations in integers, int4 and int8
- * weights "in lanes" (below, lanes.h), at every row count; the dequantize_* functions write bf16 weights for a
- * prefill's bf16 matmul where no such product takes a layer (no VNNI, widths it does not take).
+ * weights "in lanes" (below, lanes.h), at every row count (qlite_gemv_vnni_lowbit: int3k / int2k); the
+ * dequantize_* functions write bf16 weights for a prefill's bf16 matmul where no such product takes a layer (no
+ * VNNI, widths it does not take).
  * Then the small ops of a decode step, each one call instead of several torch ops: RMSNorm, silu(gate) * up,
  * and rotary + KV-cache write + attention for the new tokens (one per sequence, or a prefill's of one).
  * Built by native.py: cc -O3 -march=native -fopenmp -shared; without AVX-512 BF16, abi() says 0. */
@@ -284,6 +285,97 @@ static inline __attribute__((always_inline)) void lanes_tile_int8(
     }
     for (int m = 0; m < mt; m++)
         _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
+}
+
+/* ---- int3k / int2k in lanes (lanes.h): 16 rows' 4-byte words a vector; a shift and a mask make the codes of 4
+ * inputs a byte each (int3: the high plane's bit moved to bit 2 and or-ed in), vpdpbusd against 4 int8 activations
+ * in k order broadcast from memory: s32 sums throughout (kernels_avx2.c's integers, so the same bits) ---- */
+#define LOWBIT_LANES
+
+/* acc += the products of q's u8 with the 4 s8 at x, broadcast (an embedded broadcast: no register for it) */
+static inline __attribute__((always_inline)) void dpbusd_bcast(__m512i *acc, __m512i q, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(q), "m"(*(const int32_t *)x));
+}
+
+static inline __m512i lowbit_words(const uint8_t *p, long bn, __mmask16 live) {  /* LROWS rows' words */
+    return bn == LROWS ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(live, p);
+}
+
+/* the codes of inputs kk .. kk + 3 (kk a multiple of 4, a constant where unrolled) of a 128-input chunk, a byte each,
+ * for the block's rows */
+static inline __attribute__((always_inline)) __m512i lowbit_codes4(const uint8_t *chunk, long bn, const int bits,
+                                                                   const int kk, __mmask16 live) {
+    const int t = kk / 32, w = kk % 32 / 4, j = kk / 16, h = kk % 16 / 4;
+    __m512i q = _mm512_and_si512(_mm512_srli_epi32(lowbit_words(chunk + w * bn * 4, bn, live), 2 * t), _mm512_set1_epi8(3));
+    if (bits == 3) {
+        __m512i high = lowbit_words(chunk + (8 + h) * bn * 4, bn, live);
+        high = j >= 2 ? _mm512_srli_epi32(high, j - 2) : _mm512_slli_epi32(high, 2 - j);
+        q = _mm512_ternarylogic_epi32(q, high, _mm512_set1_epi8(4), 0xF8);  /* q | (high & 4) */
+    }
+    return q;
+}
+
+/* lanes_tile_lowbit for mt <= LTILE rows: each 128 inputs' 32 steps of 4 unrolled (constant shifts), spans (the
+ * groups: 16, 32, 64 or 128 inputs) starting and ending inside them, counted (no division in the loop); at most 4
+ * rows, two accumulators a row (the chain of vpdpbusd halved) */
+static inline __attribute__((always_inline)) void lanes_tile_lowbit_part(
+        const uint8_t *block, const uint8_t *sblock, __m512 d, long bn, long K, long S, long span, long k0, long kc,
+        const int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
+    const __mmask16 live = (__mmask16)((1u << bn) - 1);
+    const __m512i zmask = _mm512_set1_epi32((1 << bits) - 1);
+    const int split = mt <= 4;
+    const long edge = span - 1;
+    long s = k0 / span;  /* the span at hand, and its group: vnni_lowbit_product takes groups that divide CHUNK */
+    __m512 f[LTILE], ws = _mm512_setzero_ps();
+    __m512i acc[LTILE], acc2[LTILE];
+    for (int m = 0; m < mt; m++) f[m] = _mm512_setzero_ps();
+    for (long c = k0; c < k0 + kc; c += 128) {
+        const uint8_t *chunk = block + c / 128 * 16 * bits * bn;
+        for (int line = 0; line < 4 * bits; line++)  /* a full block's 128 inputs: 16 bits LROWS bytes, 4 bits lines */
+            _mm_prefetch((const char *)chunk + TILE_AHEAD + 64 * line, _MM_HINT_T2);
+        #pragma GCC unroll 32
+        for (int i = 0; i < 32; i++) {
+            const long k = c + 4 * i;
+            if ((k & edge) == 0) {  /* a span starts: its group's fp16(d c) (lowbit_scale), zero point and sums */
+                __m512i sb = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, sblock + s * bn));  /* c << bits | z */
+                __m512 code = _mm512_cvtepi32_ps(_mm512_srli_epi32(sb, bits));
+                ws = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(d, code), _MM_FROUND_TO_NEAREST_INT));
+                __m512i zv = _mm512_and_si512(sb, zmask);
+                for (int m = 0; m < mt; m++) {
+                    acc[m] = _mm512_mullo_epi32(zv, _mm512_set1_epi32(-xsum[m * S + s]));
+                    acc2[m] = _mm512_setzero_si512();
+                }
+            }
+            __m512i q = lowbit_codes4(chunk, bn, bits, 4 * i, live);
+            for (int m = 0; m < mt; m++) dpbusd_bcast(split && i % 2 ? &acc2[m] : &acc[m], q, xa + m * K + k);
+            if (((k + 4) & edge) == 0) {  /* the span ends */
+                for (int m = 0; m < mt; m++) {
+                    __m512i sum = split ? _mm512_add_epi32(acc[m], acc2[m]) : acc[m];
+                    f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(xd[m * S + s]), ws), f[m]);
+                }
+                s++;
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        _mm512_store_ps(total + m * LROWS, _mm512_add_ps(_mm512_load_ps(total + m * LROWS), f[m]));
+}
+
+/* lanes.h's lanes_tile_lowbit: total [mt, LROWS] += one block's products with mt <= LTILE activation rows; compiled
+ * once (not inlined): its unrolled copies are one for a full block at 1 row and at LTILE rows, and one for any other
+ * (a last partial block, a few rows of a verification, a prefill's last rows), for each width */
+static __attribute__((noinline)) void lanes_tile_lowbit(
+        const uint8_t *block, const uint8_t *sblock, const uint16_t *row_scales, long bn, long K, long S, long span,
+        long k0, long kc, int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
+    __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << bn) - 1), row_scales));  /* the rows' d */
+    #define LOWBIT_PART(BN, BITS, ROWS) lanes_tile_lowbit_part(block, sblock, d, BN, K, S, span, k0, kc, BITS, xa, xd, \
+        xsum, ROWS, total)
+    #define BY_BITS(BN, ROWS) do { if (bits == 3) LOWBIT_PART(BN, 3, ROWS); else LOWBIT_PART(BN, 2, ROWS); } while (0)
+    if (bn == LROWS && mt == 1) BY_BITS(LROWS, 1);  /* a full block: no mask in the loop */
+    else if (bn == LROWS && mt == LTILE) BY_BITS(LROWS, LTILE);
+    else BY_BITS(bn, mt);
+    #undef BY_BITS
+    #undef LOWBIT_PART
 }
 
 #include "lanes.h"  /* the entry points */

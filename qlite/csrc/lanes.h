@@ -215,7 +215,7 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                             const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
                             float *tm = total + (b * rows + mt0) * LROWS;
 #ifdef LOWBIT_LANES
-                            if (lowbit) {  /* its own row counts (kernels_avx2.c) */
+                            if (lowbit) {  /* its own row counts (each file's lanes_tile_lowbit) */
                                 lanes_tile_lowbit(block, (const uint8_t *)scales + nb * G, row_scales + nb, bn, K, S, span, k0,
                                                   kc, lowbit, xm, dm, sm, (int)(rows - mt0 < LTILE ? rows - mt0 : LTILE), tm);
                                 continue;

@@ -179,7 +179,8 @@ def test_int4_product_at_prefill_rows_is_the_product_with_integer_activations(fm
     assert torch.equal(got, rows_alone)  # a row's result never depends on the rows batched with it
 
 
-@pytest.mark.parametrize("fmt", [Int4(128), Int4(32), Int4K(64), Int8(None), Int8(32)], ids=str)
+@pytest.mark.parametrize("fmt", [Int4(128), Int4(32), Int4K(64), Int8(None), Int8(32), Int3K(32), Int3K(16), Int2K(16)],
+                         ids=str)
 def test_both_instruction_sets_give_the_same_bits(fmt, isa, monkeypatch):
     """lanes.h: the same integers and float steps on AVX-512 (16 weight rows a vector) and AVX2 (8; with AVX-VNNI's
     multiply-adds or without), so a checkpoint decodes to the same bits on any (at 1-37 rows, a weight of partial
@@ -193,9 +194,13 @@ def test_both_instruction_sets_give_the_same_bits(fmt, isa, monkeypatch):
     x = x.bfloat16().float()  # float32 in, so float32 out: no rounding to bf16 hides a difference
     b = torch.randn(n, generator=gen(2))
 
-    def products():
-        product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored.get("zeros"), b,
-                                      stored.get("row_scales"))
+    def products():  # tiled for the kernels loaded (16 or 8 rows a block)
+        if isinstance(fmt, (Int3K, Int2K)):
+            product = native.vnni_lowbit_product(*native.tile_lowbit(stored["qweight"], stored["scales"]),
+                                                 stored["row_scales"], fmt.bits, b)
+        else:
+            product = native.vnni_product(native.tile_codes(stored["qweight"]), stored["scales"], stored.get("zeros"),
+                                          b, stored.get("row_scales"))
         return [product(x[:rows]) for rows in (1, 3, 8, 37)]
     on_avx512 = products()
     others = [name for name in native.isas_here() if name != "avx512"]
@@ -301,7 +306,7 @@ def test_lowbit_products_in_lanes_are_the_products_with_integer_activations(fmt,
     group (computed independently), to fp32 rounding; each row's result the same at any row count; tiling keeps
     every byte."""
     if not native.lowbit_lanes_ready():
-        pytest.skip("no integer-activation products for int3k / int2k with these kernels (AVX-512: not written)")
+        pytest.skip("no integer-activation products for int3k / int2k with these kernels (AVX-512 without VNNI)")
     stored = fmt.quantize(torch.randn(n, K, generator=gen(0)) * torch.logspace(-3, 0, n)[:, None])
     x = torch.randn(rows, K, generator=gen(1))
     x[:, 5] *= 100  # an outlier channel: its group's scale widens
