@@ -4,7 +4,7 @@
  * experts' sparse MLP, which it and the module path (NativeOps) both call. It calls exactly the functions the
  * module path calls one by one (decoder.layers.DecoderLayer with the native kernels), in the same order, with
  * the same roundings, so its result is bitwise that path's: what it saves is ~10 Python calls and torch
- * allocations per layer. A file defines INTEGER_PRODUCTS where it has qlite_gemv_vnni. */
+ * allocations per layer. A file defines INTEGER_PRODUCTS where it has qlite_gemv_vnni (and qlite_gemv_vnni_lowbit). */
 
 typedef struct {  /* one product, as native.Product holds it */
     int kind;  /* 0 bf16 (qlite_gemv_bf16), 1 int8, 2 int4, 3 integer activations (qlite_gemv_vnni), 4 int3k / int2k,
@@ -52,12 +52,10 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
     case 0: qlite_gemv_bf16(x, M, p->w, p->N, p->K, p->bias, y, 1, threads); break;
     case 1: qlite_gemv_int8(x, M, p->w, p->scales, p->G, p->N, p->K, p->bias, y, 1, threads); break;
     case 2: qlite_gemv_int4(x, M, p->w, p->scales, p->row_scales, p->zeros, p->G, p->N, p->K, p->bias, y, 1, threads); break;
+    case 4: qlite_gemv_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1, threads); break;
 #ifdef INTEGER_PRODUCTS
     case 3: qlite_gemv_vnni(x, M, p->w, p->scales, p->row_scales, p->zeros, p->int4, p->G, p->N, p->K, p->bias, y, 1,
                             threads); break;
-#endif
-    case 4: qlite_gemv_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1, threads); break;
-#ifdef LOWBIT_LANES
     case 5: qlite_gemv_vnni_lowbit(x, M, p->w, p->scales, p->row_scales, p->bits, p->G, p->N, p->K, p->bias, y, 1,
                                    threads); break;
 #endif

@@ -290,8 +290,6 @@ static inline __attribute__((always_inline)) void lanes_tile_int8(
 /* ---- int3k / int2k in lanes (lanes.h): 16 rows' 4-byte words a vector; a shift and a mask make the codes of 4
  * inputs a byte each (int3: the high plane's bit moved to bit 2 and or-ed in), vpdpbusd against 4 int8 activations
  * in k order broadcast from memory: s32 sums throughout (kernels_avx2.c's integers, so the same bits) ---- */
-#define LOWBIT_LANES
-
 /* acc += the products of q's u8 with the 4 s8 at x, broadcast (an embedded broadcast: no register for it) */
 static inline __attribute__((always_inline)) void dpbusd_bcast(__m512i *acc, __m512i q, const int8_t *x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(q), "m"(*(const int32_t *)x));

@@ -463,8 +463,6 @@ static inline __attribute__((always_inline)) void lanes_tile_int8_pair(
 /* ---- int3k / int2k in lanes (lanes.h): LROWS rows' 4-byte words side by side, a shift and a mask make the
  * codes of 4 inputs a byte each (int3: the high plane's bit moved to bit 2 and or-ed in), vpmaddubsw against 4 int8
  * activations in k order, s16 sums widened to s32 every 32 inputs (at most 8 x 2 x 7 x 127: no saturation) ---- */
-#define LOWBIT_LANES
-
 static inline __m256i lowbit_words(const uint8_t *p, long bn, __m256i live) {  /* LROWS rows' words */
     return bn == LROWS ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskload_epi32((const int *)p, live);
 }

@@ -32,7 +32,7 @@
  *     for two blocks, mt <= PAIR_TILE rows, each activation word broadcast once for both (same bits)
  *   lanes_tile_int8_pair(b0, b1, K, S, span, gsize, k0, kc, xq, xd, sw0, sw1, mt, t0, t1)   lanes_tile_int8 for
  *     two blocks, mt <= PAIR_TILE_INT8 rows (same bits)
- * int3k / int2k in lanes, where the file defines LOWBIT_LANES: the stored codes (lowbit.h) tiled a 4-byte word at a
+ * int3k / int2k in lanes (each file's lanes_tile_lowbit): the stored codes (lowbit.h) tiled a 4-byte word at a
  * time, [K / 128][4 bits words][rows][4 bytes] (a low-plane word's shift by 2 t and mask 3 gives inputs i .. i + 3 of
  * the 128 plus 32 t, a byte each; a high-plane word's bit j of each byte is that of inputs i .. i + 3 plus 16 j),
  * and the scale bytes tiled [G][rows]; activations int8 in k order, one integer multiply-add per 4 inputs of LROWS
@@ -214,13 +214,11 @@ static void lanes_product(const uint16_t *x, long M, const void *w, const void *
                             const float *dm = xd + mt0 * S, *sw = swT + b * G * LROWS;
                             const int32_t *sm = xsum + mt0 * S, *zt = zT + b * G * LROWS;
                             float *tm = total + (b * rows + mt0) * LROWS;
-#ifdef LOWBIT_LANES
                             if (lowbit) {  /* its own row counts (each file's lanes_tile_lowbit) */
                                 lanes_tile_lowbit(block, (const uint8_t *)scales + nb * G, row_scales + nb, bn, K, S, span, k0,
                                                   kc, lowbit, xm, dm, sm, (int)(rows - mt0 < LTILE ? rows - mt0 : LTILE), tm);
                                 continue;
                             }
-#endif
                             #define LANES_TILE(MT) do { if (int4) lanes_tile(block, bn, K, S, span, gsize, k0, kc, xm, dm, sm, sw, zt, MT, tm); \
                                 else lanes_tile_int8((const int8_t *)block, bn, K, S, span, gsize, k0, kc, (const int16_t *)xa + mt0 * K, dm, sw, MT, tm); } while (0)
                             switch (rows - mt0 < LTILE ? rows - mt0 : LTILE) {  /* constant row counts: each specialised */
@@ -278,11 +276,9 @@ void qlite_tile_rows(const uint8_t *src, uint8_t *dst, long N, long row_bytes, l
     tile_lanes(src, dst, N, row_bytes, unit, threads);
 }
 
-#ifdef LOWBIT_LANES
 /* x bf16 [M, K] times int3k / int2k weights (bits 3 or 2): codes and scale bytes as qlite_tile_rows lays them out,
  * row_scales fp16 [N] */
 void qlite_gemv_vnni_lowbit(const uint16_t *x, long M, const uint8_t *w, const uint8_t *scales, const uint16_t *row_scales,
                             int bits, long G, long N, long K, const float *bias, void *y, int out_bf16, int threads) {
     lanes_product(x, M, w, scales, row_scales, NULL, 1, bits, G, N, K, bias, y, out_bf16, threads);
 }
-#endif
