@@ -314,8 +314,8 @@ static inline __attribute__((always_inline)) __m512i lowbit_codes4(const uint8_t
 }
 
 /* lanes_tile_lowbit for mt <= LTILE rows: each 128 inputs' 32 steps of 4 unrolled (constant shifts), spans (the
- * groups: 16, 32, 64 or 128 inputs) starting and ending inside them, counted (no division in the loop); at most 4
- * rows, two accumulators a row (the chain of vpdpbusd halved) */
+ * groups: 16, 32, 64 or 128 inputs) starting and ending inside them, counted (no division in the loop); at 4 rows
+ * or fewer, two accumulators a row (the chain of vpdpbusd halved) */
 static inline __attribute__((always_inline)) void lanes_tile_lowbit_part(
         const uint8_t *block, const uint8_t *sblock, __m512 d, long bn, long K, long S, long span, long k0, long kc,
         const int bits, const int8_t *xa, const float *xd, const int32_t *xsum, int mt, float *total) {
