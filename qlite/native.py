@@ -267,22 +267,17 @@ def _check_lowbit(qweight, scales, row_scales, bits: int) -> None:
                 f"multiple of 32)")
 
 
-def lowbit_lanes_ready() -> bool:
-    """Whether int3k / int2k have integer-activation products on this CPU (lanes.h: both kernel files; not AVX-512
-    without VNNI)."""
-    return library() is not None and hasattr(library(), "qlite_gemv_vnni_lowbit")
-
-
 def lowbit_lanes_fit(in_features: int, group_size: int) -> bool:
-    """Whether vnni_lowbit_product takes a layer here: the kernels have it, groups that divide CHUNK (16-128)."""
-    return lowbit_lanes_ready() and in_features % CHUNK == 0 and CHUNK % group_size == 0
+    """Whether vnni_lowbit_product takes a layer here: integer-activation kernels (every file that has them has it),
+    groups that divide CHUNK (16-128)."""
+    return vnni_ready() and in_features % CHUNK == 0 and CHUNK % group_size == 0
 
 
 def tile_lowbit(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int3k / int2k codes [N, bits K / 8] and scale bytes [N, G] as stored -> copies in lanes (lanes.h): blocks of
     lanes_rows() rows, the codes a 4-byte word of each row side by side, the scale bytes a group of each row side by
     side. Same shapes, same bytes, another order."""
-    _check_rule(lowbit_lanes_ready(), "no integer-activation products for int3k / int2k on this CPU")
+    _check_rule(vnni_ready(), "no integer-activation products for int3k / int2k on this CPU")
     codes, scale_bytes = torch.empty_like(qweight), torch.empty_like(scales)
     for src, dst, unit in ((qweight, codes, 4), (scales, scale_bytes, 1)):
         _check_rule(src.dtype == torch.uint8 and src.dim() == 2 and src.is_contiguous() and src.shape[1] % unit == 0,

@@ -1,7 +1,7 @@
 """The low-bit products against int4-g128's at Qwen2.5-7B's decode shapes: one activation row, random weights,
 copies of each weight past the caches (COPY_BYTES each), call by call interleaved so that machine noise hits all
 alike. int4-g128 runs its decode product (integer activations, codes tiled in lanes); int3k / int2k their
-bf16-activation products (csrc/lowbit.h) and, where the CPU has them (native.lowbit_lanes_ready), their
+bf16-activation products (csrc/lowbit.h) and, where the CPU has them (native.vnni_ready), their
 integer-activation products in lanes ("lanes" rows). Prints a markdown table: ms, GB/s of stored bytes, time over
 int4-g128's.
 
@@ -34,7 +34,7 @@ def product(name: str, stored: dict):
 
 
 def names() -> list[str]:
-    lanes = [f"{name} lanes" for name in FORMATS if not name.startswith("int4")] if native.lowbit_lanes_ready() else []
+    lanes = [f"{name} lanes" for name in FORMATS if not name.startswith("int4")] if native.vnni_ready() else []
     return [*FORMATS, *lanes]
 
 

@@ -305,7 +305,7 @@ def test_lowbit_products_in_lanes_are_the_products_with_integer_activations(fmt,
     """int3k / int2k in lanes (lanes.h): the matmul of the dequantized weight with the activations' int8 image per
     group (computed independently), to fp32 rounding; each row's result the same at any row count; tiling keeps
     every byte."""
-    if not native.lowbit_lanes_ready():
+    if not native.vnni_ready():
         pytest.skip("no integer-activation products for int3k / int2k with these kernels (AVX-512 without VNNI)")
     stored = fmt.quantize(torch.randn(n, K, generator=gen(0)) * torch.logspace(-3, 0, n)[:, None])
     x = torch.randn(rows, K, generator=gen(1))
@@ -338,7 +338,7 @@ def test_a_lowbit_model_runs_on_its_native_products(tmp_path, monkeypatch):
                   report=False).out_dir
     fast, ref = load_model(out), load_model(out, kernel="reference")
     names = {m.kernel.name for m in fast.modules() if isinstance(m, QuantLinear)}
-    lanes = native.lowbit_lanes_ready()
+    lanes = native.vnni_ready()
     assert names == {"vnni-lowbit" if lanes else "native-lowbit"}, names
     for length in (5, 40):  # native-lowbit: at most native.MAX_ROWS rows the product, more a prefill
         ids = torch.randint(0, 500, (1, length), generator=gen(length))

@@ -13,5 +13,5 @@ def test_every_format_and_shape_gets_a_row(monkeypatch, capsys):
     bench.main(2)
     rows = [line for line in capsys.readouterr().out.splitlines() if line[2:3].isdigit()]  # "| N x K | format | ..."
     assert len(rows) == 2 * len(bench.names())
-    assert any(" lanes | " in row for row in rows) == native.lowbit_lanes_ready()
+    assert any(" lanes | " in row for row in rows) == native.vnni_ready()
     assert all(row.split(" | ")[-1].rstrip(" |") == "1.00" for row in rows if "int4-g128" in row)
