@@ -1,9 +1,23 @@
-"""Session fixtures: tiny random checkpoints (see tiny_models.py)."""
+"""Session fixtures: tiny random checkpoints (see tiny_models.py); torch's threads split between test workers."""
+import os
 from pathlib import Path
 
 import pytest
 
 from tiny_models import CONFIGS, make_checkpoint
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's `-n`), each worker takes its share of the cores, for torch and the native
+    kernels (which use torch's count) and for the subprocesses tests start (OMP_NUM_THREADS): two workers of
+    two threads each would run four on two cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
