@@ -374,14 +374,17 @@ def info(model_dir, ctx, batch, kv_cache, dtype):
               "--no-report, --max-shard-size only")
 @click.option("--bits", type=Registered(_bit_widths), default="4", show_default=True)
 @click.option("--group-size", type=at_least(1), default=None,
-              help="weights per scale along the input; int4 default 128 (intk 32), int8 default per output channel")
+              help="weights per scale along the input; int4 default 128 (intk 32, inth 128), int8 default per output "
+              "channel")
 @click.option("--symmetric", is_flag=True, help="int4 without zero points' freedom (zero fixed at 8)")
 @click.option("--skip", default="", help="comma-separated module names (substrings) to keep 16-bit, e.g. down_proj")
 @click.option("--format", "scheme", type=Registered(_format_spellings), default="int",
               show_default=True, help="qlite's integer formats (--bits, --group-size, --symmetric); intk: int4 whose "
               "group scales are 8-bit codes under a row scale (int4k-gG: small groups for fewer bytes), or with "
               "--bits 3 / 2 int3k-gG / int2k-gG (below 4 bits; input widths a multiple of 128, groups of 16-128, "
-              "default 32); or bitsandbytes' NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
+              "default 32); inth: --bits 4 / 3 int4h-gG / int3h-gG, int4's and int3k's grids under a Hadamard rotation "
+              "of each 128 inputs (their kernels turn the activations; default group 128; no exports); or bitsandbytes' "
+              "NF4 / LLM.int8 for comparison (bnb-int8: an older spelling of llm.int8)")
 @click.option("--lm-head-bits", type=click.Choice(["4", "8", "16"]),
               help="8: int8 per output row (the default); 4: int4 with --group-size (128 if not given) and "
               "--symmetric; 16: not quantized (the default for bitsandbytes formats)")

@@ -15,6 +15,8 @@ Canonical layouts on disk (kernel-independent; a kernel may repack at load), G =
                     (a shift and a mask give 32 consecutive inputs), then int3's high bits, byte i holding
                     inputs i + 16j in bit j; scales uint8 [N, K/G] each c << b | z: a scale code c in
                     1..2^(8-b)-1 and the integer zero point z; row_scales fp16 [N, 1] d; s = fp16(d * c)
+  int4h-gG, int3h-gG: int4-gG's and int3k-gG's tensors for W R in place of W (Rotated below: R = D H on each
+                    128 inputs, fixed signs D and the orthonormal Hadamard H); w = dequantized rows times R^T
 The bitsandbytes peer formats keep bitsandbytes' own layout:
   nf4-bB:    qweight uint8 [N, K/2] (column 2j in the HIGH nibble), absmax fp32 [N, K/B]  w = NF4[q] * absmax
   llm.int8:  qweight int8 [N, K], scb fp32 [N] (row absmax)                               w = q * scb / 127
@@ -144,6 +146,18 @@ class Format:
         (None: nothing): checked at load, so no kernel or export sees them."""
         return None
 
+    def input_signs(self) -> torch.Tensor | None:
+        """A rotated format's signs (Rotated): its kernels turn the activations first; None: none."""
+        return None
+
+    def stored_basis(self, w: torch.Tensor) -> torch.Tensor:
+        """The weight [N, K] in the basis the stored codes round (W; a rotated format's W R)."""
+        return w
+
+    def stored_hessian(self, hessian: torch.Tensor) -> torch.Tensor:
+        """The inputs' Hessian [K, K] in that basis (H; a rotated format's R^T H R)."""
+        return hessian
+
     @property
     def act_aware(self) -> bool:
         """Whether act-rtn / GPTQ choose its grids from calibration inputs (else min-max grids)."""
@@ -208,7 +222,7 @@ def format_named(name: str) -> Format:
                 raise QliteError(f"format {name!r}: group size {fmt.group_size} must be a positive number of weights")
             return fmt
     raise QliteError(f"format {name!r}: unknown (known: int8, int8-gG, int4-gG, int4-gG-sym, int4k-gG, int3k-gG, "
-                     f"int2k-gG, nf4-bB, llm.int8)")
+                     f"int2k-gG, int4h-gG, int3h-gG, nf4-bB, llm.int8)")
 
 
 def format_for_fields(scheme: str, bits: int | None, group_size: int | None, symmetric: bool) -> Format:
@@ -579,8 +593,36 @@ LOW_BIT_BLOCK = 128  # int3k's and int2k's codes are laid out 128 inputs at a ti
 LOW_BIT_GROUPS = (16, 32, 64, 128)
 
 
+class GroupedBy128:
+    """The formats named int{bits}{letter}-gG (int3k, int2k; int4h, int3h): asymmetric, groups of 16 to 128, input
+    widths a multiple of 128 (their codes', or their rotation's, blocks)."""
+    letter: ClassVar[str]
+
+    @property
+    def name(self):
+        return f"int{self.bits}{self.letter}-g{self.group_size}"
+
+    @classmethod
+    def parse(cls, name):
+        m = re.fullmatch(rf"int{cls.bits}{cls.letter}-g(\d+)", name)
+        return m and cls.make(int(m[1]), False)
+
+    @classmethod
+    def make(cls, group_size, symmetric):
+        if symmetric:
+            raise QliteError(f"int{cls.bits}{cls.letter} is asymmetric only")
+        if group_size not in LOW_BIT_GROUPS:
+            raise QliteError(f"int{cls.bits}{cls.letter}'s group size is 16, 32, 64 or 128, not {group_size}")
+        return cls(group_size, False)
+
+    def check(self, in_features, where):
+        if in_features % LOW_BIT_BLOCK:
+            raise QliteError(f"int{self.bits}{self.letter} takes input widths that are multiples of {LOW_BIT_BLOCK}; "
+                             f"{where}'s is {in_features}")
+
+
 @dataclass(frozen=True)
-class IntLowK(CodedScales, IntFormat, scheme="intk"):
+class IntLowK(GroupedBy128, CodedScales, IntFormat, scheme="intk"):
     """Below 4 bits (int3k-gG, int2k-gG): asymmetric b-bit codes with int4k's coded scales, each group's
     scale code and zero point sharing one byte (c << b | z), so a group costs 8 bits besides its codes:
     int3k-g32 is 3.25 bits per weight, int2k-g16 2.5 (llama.cpp's Q3_K 3.44, Q2_K 2.63)."""
@@ -592,31 +634,11 @@ class IntLowK(CodedScales, IntFormat, scheme="intk"):
     # over that machine's (BENCHMARKS.md "int3k and int2k in lanes on AVX-512")
     decode_ps = {16: 14.3, 32: 14.0}
 
+    letter = "k"
+
     @classmethod
     def code_max(cls) -> int:  # the scale code's bits: those the zero point leaves of its byte
         return (1 << (8 - cls.bits)) - 1
-
-    @property
-    def name(self):
-        return f"int{self.bits}k-g{self.group_size}"
-
-    @classmethod
-    def parse(cls, name):
-        m = re.fullmatch(rf"int{cls.bits}k-g(\d+)", name)
-        return m and cls.make(int(m[1]), False)
-
-    @classmethod
-    def make(cls, group_size, symmetric):
-        if symmetric:
-            raise QliteError(f"int{cls.bits}k is asymmetric only")
-        if group_size not in LOW_BIT_GROUPS:
-            raise QliteError(f"int{cls.bits}k's group size is 16, 32, 64 or 128, not {group_size}")
-        return cls(group_size, False)
-
-    def check(self, in_features, where):
-        if in_features % LOW_BIT_BLOCK:
-            raise QliteError(f"int{self.bits}k takes input widths that are multiples of {LOW_BIT_BLOCK}; {where}'s is "
-                             f"{in_features}")
 
     def stored_shapes(self, out_features, in_features):
         return {"qweight": (torch.uint8, (out_features, self.bits * in_features // 8)),
@@ -656,6 +678,89 @@ class Int3K(IntLowK, scheme="intk", bits=3):
 class Int2K(IntLowK, scheme="intk", bits=2):
     hi = 3
     decode_ps = {16: 11.7, 32: 9.9}
+
+
+# --- under a Hadamard rotation ------------------------------------------------------------------------
+
+TURN_BLOCK = LOW_BIT_BLOCK  # inputs per Hadamard transform (GroupedBy128 checks the widths)
+TURN_SIGNS = 0xdd7a81ed5fad86b437afac294b3c58da  # bit i set: input i of every block flips its sign
+
+
+def turn_signs(device=None) -> torch.Tensor:
+    """The signs D of the rotation, float32 [TURN_BLOCK] of +-1 (the same for every block and tensor)."""
+    return torch.tensor([-1.0 if TURN_SIGNS >> i & 1 else 1.0 for i in range(TURN_BLOCK)], device=device)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix [n, n] (n a power of 2): symmetric, its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n ** 0.5
+
+
+def turn(x: torch.Tensor) -> torch.Tensor:
+    """Rows x [..., K] (K a multiple of TURN_BLOCK) times R = D H on each block of TURN_BLOCK inputs, in float32:
+    for a weight, W R (what a rotated format rounds); for activations, R^T x as rows (what its kernel reads:
+    y = (W R)(R^T x) = W x). D H is (x * D) @ H, and R^T x is H (D x), the same (H is symmetric)."""
+    blocks = (x.float() * turn_signs(x.device).repeat(x.shape[-1] // TURN_BLOCK))
+    blocks = blocks.reshape(*x.shape[:-1], -1, TURN_BLOCK)  # (..., K / TURN_BLOCK, TURN_BLOCK)
+    return (blocks @ hadamard(TURN_BLOCK).to(x.device)).reshape(x.shape)
+
+
+def unturn(w: torch.Tensor) -> torch.Tensor:
+    """turn's inverse on rows: W R R^T = (W R) H D."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, TURN_BLOCK) @ hadamard(TURN_BLOCK).to(w.device)
+    return blocks.reshape(w.shape) * turn_signs(w.device).repeat(w.shape[-1] // TURN_BLOCK)
+
+
+class Rotated(GroupedBy128):
+    """A format that rounds W R in place of W (int4h-gG, int3h-gG): R = D H on each 128 inputs, random signs D
+    (TURN_SIGNS) and the orthonormal Hadamard transform H (QuaRot, QuIP#). R spreads a row's outliers over its
+    128 inputs, so fewer of them set a group's range: at group size 128 a third to a half less KLD than the same
+    grid unrotated (BENCHMARKS.md, issue 56). The stored codes are its base format's for W R; `dequantize` gives
+    back W ~ Q(W R) R^T, and a kernel reads the codes as they are and rotates the activations first (R^T x,
+    one fast transform per product). Calibration rounds W R against the rotated inputs' Hessian R^T H R.
+    No other engine has it: exports refuse it."""
+    default_group_size = 128
+    letter = "h"
+
+    def input_signs(self):
+        return turn_signs()
+
+    def stored_basis(self, w):
+        return turn(w)
+
+    def stored_hessian(self, hessian):
+        return turn(turn(hessian).t()).t()  # R^T H R: turn's rows, then its columns
+
+    def quantize_rows(self, w, grid=None):
+        return super().quantize_rows(turn(w), grid)
+
+    def dequantize(self, stored, in_features):
+        return unturn(super().dequantize(stored, in_features))
+
+    affine_symmetric = None  # no exact encoding elsewhere: exports refuse it
+    to_affine, affine_zeros, from_affine = Format.to_affine, Format.affine_zeros, Format.from_affine
+
+    @classmethod
+    def for_peer(cls, bits, group_size, symmetric, in_features, where):
+        return None
+
+
+@dataclass(frozen=True)
+class Int4H(Rotated, Int4, scheme="inth", bits=4):
+    """int4-gG's codes, fp16 scales and zero points for W R (Rotated): int4h-g128 is 4.19 bits per weight."""
+    # No --target-bpw candidate (no decode cost here): in the budget's mixes, which rank formats by their round-to-
+    # nearest error, the rotated formats made q3 worse and q4 no better (BENCHMARKS.md "Rotated formats int4h and
+    # int3h"); their decode cost measured 14.0 ps a weight (int4h-g128) and 12.2 (int3h-g128), as IntLowK's.
+    decode_ps = {}
+
+
+@dataclass(frozen=True)
+class Int3H(Rotated, Int3K, scheme="inth", bits=3):
+    """int3k-gG's codes and coded scales for W R (Rotated): int3h-g128 is 3.07 bits per weight."""
+    decode_ps = {}  # as Int4H's
 
 
 # --- bitsandbytes' formats, quantized by bitsandbytes itself ------------------------------------------

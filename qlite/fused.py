@@ -21,7 +21,7 @@ _I, _L, _P = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
 
 class CProduct(ctypes.Structure):  # decode_step.h's qlite_product
     _fields_ = [("kind", _I), ("int4", _I), ("w", _P), ("scales", _P), ("row_scales", _P), ("zeros", _P), ("G", _L),
-                ("N", _L), ("K", _L), ("bias", _P), ("bits", _I)]
+                ("N", _L), ("K", _L), ("bias", _P), ("bits", _I), ("signs", _P)]
 
 
 class CLayer(ctypes.Structure):  # decode_step.h's qlite_layer
@@ -32,7 +32,8 @@ class CLayer(ctypes.Structure):  # decode_step.h's qlite_layer
 
 def c_product(product: native.Product) -> CProduct:
     fields = dict(zip(native.PRODUCT_ARGS[product.fn_name], product.weight_args))
-    return CProduct(kind=list(native.PRODUCT_ARGS).index(product.fn_name), bias=native._ptr(product.bias32), **fields)
+    return CProduct(kind=list(native.PRODUCT_ARGS).index(product.fn_name), bias=native._ptr(product.bias32),
+                    signs=native._ptr(product.signs), **fields)
 
 
 def products(linear) -> list[native.Product] | None:

@@ -19,6 +19,9 @@ needs and is called with the activations. backends.py says which kernels a backe
 - native-lowbit (CPU with AVX-512 BF16, or AVX2 + FMA): int3k / int2k with bf16 activations, as native's int4
   (csrc/lowbit.h); a prefill dequantizes to bf16. vnni-lowbit (AVX-512 VNNI or AVX2): int3k / int2k in lanes with
   int8 activations, as vnni's int4, at every row count.
+- a rotated format (int4h, int3h: formats.Rotated) runs on its base format's native kernels, whose product turns the
+  activations first (native.Product.turn_with: csrc/turn.h); aten has no turn, so without native kernels the
+  reference runs it.
 - bnb: bitsandbytes' own matmuls for its formats (NF4 `matmul_4bit`; LLM.int8 `matmul` with its 6.0
   outlier threshold), for comparing those formats; slow on the CPU."""
 from __future__ import annotations
@@ -90,6 +93,7 @@ class AtenInt4:
     @staticmethod
     def supports(layer) -> bool:
         return (isinstance(layer.fmt, Int4) and layer.fmt.group_size in AtenInt4.GROUP_SIZES
+                and layer.fmt.input_signs() is None  # a rotated format's turn is native's (else: the reference)
                 and layer.in_features % 64 == 0 and _on_cpu(layer)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
@@ -181,6 +185,9 @@ class _Native:
     def build(self) -> None:
         self.stored = self.own_buffers(self.layer)
         self._product = self.prepare(**self.stored, bias32=native.float_bias(self.layer.bias))
+        signs = self.layer.fmt.input_signs()
+        if signs is not None:  # a rotated format: the product turns x first
+            self._product.turn_with(signs)
         for buffer in self.copies if self.release else ():
             self.release(getattr(self.layer, buffer))
 
@@ -204,7 +211,8 @@ class _Native:
             return self.product(x).to(x.dtype)
         self.product  # noqa: B018  (built: its buffers)
         weight = self.dequantize(**self.stored, out=dequantize_buffer(self.out_features, self.in_features))
-        return _bias(bucketed_linear(x.to(self.matmul_dtype), weight.to(self.matmul_dtype)).to(x.dtype), self.bias)
+        xs = self.product.turned(x)  # the codes' basis (a rotated format's)
+        return _bias(bucketed_linear(xs.to(self.matmul_dtype), weight.to(self.matmul_dtype)).to(x.dtype), self.bias)
 
 
 class NativeInt8(_Native):

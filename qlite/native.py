@@ -36,6 +36,7 @@ MAX_ROWS = 8  # up to this many activation rows go through the matrix-vector ker
 MAX_GROUPS = 1024  # common.h's MAX_GROUPS
 LOWBIT_MAX_GROUPS = 2048  # common.h's LOWBIT_MAX_GROUPS
 CHUNK = 128  # common.h's CHUNK: the integer-activation kernels take x and the groups in whole chunks
+TURN_BLOCK = 128  # turn.h's: a rotated format's activations are turned this many inputs at a time
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 SIGNATURES = {
@@ -50,6 +51,7 @@ SIGNATURES = {
     "qlite_dequantize_lowbit": [_P, _P, _P, _I, _L, _L, _L, _P, _I],
     "qlite_gemv_vnni_lowbit": [_P, _L, _P, _P, _P, _I, _L, _L, _L, _P, _P, _I, _I],
     "qlite_tile_rows": [_P, _P, _L, _L, _L, _I],
+    "qlite_turn_inputs": [_P, _L, _L, _P, _P, _I],
     "qlite_rmsnorm": [_P, _L, _L, _P, ctypes.c_float, _P],
     "qlite_silu_mul": [_P, _L, _L, _P],
     "qlite_decode_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L, _I, _P, _P, _I],
@@ -202,11 +204,30 @@ class Product:
         self.N, self.K, self.buffers, self.bias32 = N, K, buffers, bias32
         self.fn_name, self.weight_args = fn, weight_args
         self.fn, self.args = getattr(library(), fn), (*weight_args, _ptr(bias32))
+        self.signs = None  # a rotated format's (turn_with)
+
+    def turn_with(self, signs: torch.Tensor) -> None:
+        """Turn x first (a rotated format's codes: formats.Rotated), by signs float32 [TURN_BLOCK]."""
+        _check(signs, torch.float32, (TURN_BLOCK,), "signs")
+        _check_rule(self.K % TURN_BLOCK == 0, f"K {self.K} is not a multiple of {TURN_BLOCK}")
+        self.signs = signs
+
+    def turned(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the codes read it: bf16, turned where the format is rotated (turn.h), else as it is."""
+        if self.signs is None:
+            return x
+        _check_rule(x.shape[-1] == self.K, f"x is {x.shape[-1]} wide, the weight {self.K}")
+        xb = x.to(torch.bfloat16).contiguous()
+        out = torch.empty_like(xb)
+        library().qlite_turn_inputs(xb.data_ptr(), xb.numel() // self.K, self.K, self.signs.data_ptr(), out.data_ptr(),
+                                    torch.get_num_threads())
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> x @ weight.T + bias: bf16 when x is bf16, else float32."""
+        """x (..., K) -> x @ weight.T + bias: bf16 when x is bf16, else float32 (x turned first: turn_with)."""
         _check_rule(x.shape[-1] == self.K, f"x is {x.shape[-1]} wide, the weight {self.K}")
         xb, M, y, out_bf16 = _gemv_io(x, self.K, self.N)
+        xb = self.turned(xb)
         self.fn(xb.data_ptr(), M, *self.args, y.data_ptr(), out_bf16, torch.get_num_threads())
         return y
 

@@ -59,5 +59,5 @@ def act_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, da
     returns fmt's stored tensors."""
     if not fmt.act_aware:
         return fmt.quantize(weight)
-    blocks = group_blocks(hessian, fmt.group_size, damp)
+    blocks = group_blocks(fmt.stored_hessian(hessian), fmt.group_size, damp)  # quantize rounds fmt.stored_basis(weight)
     return fmt.quantize(weight, grid=lambda wg, rows: act_grid(fmt, wg, blocks, rows))

@@ -61,6 +61,7 @@ def gptq_linear(weight: torch.Tensor, hessian: torch.Tensor, fmt: IntFormat, dam
     are done chunk_rows at a time: an lm_head of 150k rows never needs more than a chunk's copies."""
     if not fmt.calibrated:
         raise QliteError(f"GPTQ makes qlite's int formats, not {fmt.name}")
+    weight, hessian = fmt.stored_basis(weight), fmt.stored_hessian(hessian)  # a rotated format's W R, R^T H R
     K = weight.shape[1]
     G = fmt.group_size or K
     if G != K and BLOCK % G and G % BLOCK:

@@ -3,7 +3,7 @@ candidate is a 16-bit checkpoint holding the source's weights as that candidate 
 decoder's linears quantized and dequantized; embeddings and lm_head as they are), for `qlite eval` to
 score beside the source and real quantized files.
 
-A rotated candidate (NAME+rot) rounds W R instead of W, R = D H: random signs D (fixed seed) and the
+A rotated candidate (NAME+rot) rounds W R instead of W, R = D H: random signs D (fixed) and the
 orthonormal Hadamard transform H of each 128 inputs, and holds Q(W R) R^T. At run time the same product
 is Q(W R) (x R)^T, the activations rotated by one fast transform per linear input (QuaRot, QuIP#): R
 spreads a row's outliers over its 128 inputs, so fewer of them set a group's range.
@@ -24,25 +24,16 @@ from pathlib import Path
 import click
 import torch
 
-from qlite.formats import format_named
+from qlite.formats import format_named, hadamard, turn_signs
 
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 BLOCK = 128  # inputs per Hadamard transform
-SIGN_SEED = 56
-
-
-def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix [n, n] (n a power of 2), symmetric: its own inverse."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
 
 
 def rotation() -> torch.Tensor:
-    """R = D H for one BLOCK of inputs [BLOCK, BLOCK]: the same random signs D for every block and tensor."""
-    signs = torch.randint(0, 2, (BLOCK,), generator=torch.Generator().manual_seed(SIGN_SEED)) * 2 - 1
-    return signs[:, None].float() * hadamard(BLOCK)
+    """R = D H for one BLOCK of inputs [BLOCK, BLOCK]: the rotated formats' (qlite.formats.Rotated: int4h, int3h),
+    whose signs D are those this module's seed 56 drew when it measured them."""
+    return turn_signs()[:, None] * hadamard(BLOCK)
 
 
 def turn(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ typedef struct {  /* one product, as native.Product holds it */
     long G, N, K;
     const float *bias;
     int bits;  /* kinds 4 and 5: 3 or 2 */
+    const float *signs;  /* a rotated format's (turn.h): x turned first; else NULL */
 } qlite_product;
 
 typedef struct {  /* one SwiGLU's products (an expert's): gate|up as one product or two side by side, down */
@@ -48,6 +49,12 @@ typedef struct {  /* a decoder layer: its RMSNorm weights (bf16 [hidden]) and pr
 } qlite_layer;
 
 static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t *y, int threads) {
+    uint16_t *turned = NULL;
+    if (p->signs) {
+        turned = malloc(2 * M * p->K);
+        qlite_turn_inputs(x, M, p->K, p->signs, turned, threads);
+        x = turned;
+    }
     switch (p->kind) {
     case 0: qlite_gemv_bf16(x, M, p->w, p->N, p->K, p->bias, y, 1, threads); break;
     case 1: qlite_gemv_int8(x, M, p->w, p->scales, p->G, p->N, p->K, p->bias, y, 1, threads); break;
@@ -60,6 +67,7 @@ static void product(const qlite_product *p, const uint16_t *x, long M, uint16_t 
                                    threads); break;
 #endif
     }
+    free(turned);
 }
 
 static long width(const qlite_product *parts, int n_parts) {  /* a projection's outputs */

@@ -541,5 +541,6 @@ void qlite_argmax_bf16(const uint16_t *x, long rows, long n, int64_t *argmax, ui
     }
 }
 
+#include "turn.h"
 #include "decode_step.h"
 #endif

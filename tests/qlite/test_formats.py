@@ -5,12 +5,12 @@ import torch
 
 from qlite.fidelity import sqnr_db
 from qlite.errors import QliteError
-from qlite.formats import (REGISTRY, Int2K, Int3K, Int4, Int4K, Int8, coded_scale, format_for_fields, format_named,
-                           pack_int4, pack_low_bits, unpack_int4, unpack_low_bits)
+from qlite.formats import (REGISTRY, TURN_SIGNS, Int2K, Int3H, Int3K, Int4, Int4H, Int4K, Int8, coded_scale,
+                           format_for_fields, format_named, pack_int4, pack_low_bits, turn, unpack_int4, unpack_low_bits)
 
 # one of each family, and the int variants the kernels care about
 FORMAT_NAMES = ["int8", "int8-g128", "int4-g32", "int4-g64", "int4-g128", "int4-g128-sym", "int4k-g32", "int4k-g64",
-                "int3k-g16", "int3k-g32", "int2k-g16", "int2k-g32", "nf4-b64", "llm.int8"]
+                "int3k-g16", "int3k-g32", "int2k-g16", "int2k-g32", "int4h-g128", "int3h-g128", "nf4-b64", "llm.int8"]
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (16, 2), (7, 33), (4, 256)])
@@ -71,12 +71,13 @@ def test_stored_tensors_match_the_declared_layout_and_name(name):
 
 # Floors set a little under what random Gaussian weights measure (int8 42.1 dB per channel,
 # int4 asymmetric 21.8 / 20.8 / 19.9 dB at g32 / g64 / g128, symmetric g128 19.1 dB; int3k 16.4 / 15.1 dB at
-# g16 / g32, int2k 9.0 / 7.7 dB).
+# g16 / g32, int2k 9.0 / 7.7 dB; a rotation changes nothing on Gaussian weights: int4h-g128 19.9,
+# int3h-g128 13.2).
 @pytest.mark.parametrize("name, floor", [("int8", 40.0), ("int8-g128", 42.0), ("int4-g32", 21.0), ("int4-g64", 20.0),
                                          ("int4-g128", 19.0), ("int4-g128-sym", 18.5), ("int4k-g32", 21.0),
                                          ("int4k-g64", 20.0), ("nf4-b64", 19.0), ("llm.int8", 40.0),
                                          ("int3k-g16", 16.0), ("int3k-g32", 14.7), ("int2k-g16", 8.7),
-                                         ("int2k-g32", 7.3)])
+                                         ("int2k-g32", 7.3), ("int4h-g128", 19.0), ("int3h-g128", 12.5)])
 def test_sqnr(name, floor):
     fmt, w = format_named(name), weights()
     assert sqnr_db(w, fmt.dequantize(fmt.quantize(w), w.shape[1])) >= floor
@@ -191,3 +192,60 @@ def test_bad_format_fields(fields, message):
         format_for_fields(**fields)
     with pytest.raises(QliteError, match="unknown"):
         format_named("int5-g32")
+
+
+# --- rotated formats (int4h, int3h) -------------------------------------------------------------------
+
+def rotation_matrix(K: int) -> torch.Tensor:
+    """R = D H block by block [K, K], from the definitions: H[i, j] = (-1)^popcount(i & j) / sqrt(128), D the
+    signs TURN_SIGNS' bits name (not the Sylvester recursion or the sign list turn uses)."""
+    i = torch.arange(128)
+    parity = torch.tensor([[bin(a & b).count("1") % 2 for b in range(128)] for a in range(128)])
+    h = (1 - 2 * parity).float() / 128 ** 0.5
+    d = torch.tensor([-1.0 if TURN_SIGNS >> int(a) & 1 else 1.0 for a in i])
+    return torch.block_diag(*[d[:, None] * h] * (K // 128))
+
+
+def test_turn_is_the_block_rotation_and_orthonormal():
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(7))
+    R = rotation_matrix(384)
+    assert torch.allclose(turn(x), x @ R, atol=1e-5)
+    assert torch.allclose(R @ R.t(), torch.eye(384), atol=1e-5)
+    w = torch.randn(3, 384, generator=torch.Generator().manual_seed(8))
+    assert torch.allclose(turn(w) @ turn(x).t(), w @ x.t(), atol=1e-4)  # (W R)(R^T x) = W x
+
+
+@pytest.mark.parametrize("rotated, base", [(Int4H(128), Int4(128)), (Int3H(128), Int3K(128)), (Int3H(32), Int3K(32))])
+def test_a_rotated_format_stores_its_base_codes_of_w_r_and_gives_back_w(rotated, base):
+    w = weights(64, 384)
+    stored = rotated.quantize(w)
+    want = base.quantize(w @ rotation_matrix(384))
+    assert stored.keys() == want.keys() and all(torch.equal(stored[k], want[k]) for k in stored)
+    back = rotated.dequantize(stored, 384)
+    assert torch.allclose(back, base.dequantize(want, 384) @ rotation_matrix(384).t(), atol=1e-6)
+    assert rotated.bits_per_weight(384) == base.bits_per_weight(384)
+    assert torch.allclose(rotated.stored_hessian(w.t() @ w), rotation_matrix(384).t() @ (w.t() @ w) @ rotation_matrix(384),
+                          atol=1e-4)
+
+
+def test_a_rotation_spreads_outlier_inputs():
+    """Weights with a few outlier input columns (as LLM weights have): the rotated grid loses far less at
+    group size 128 (measured 9.3 dB more for int4, 6.7 for int3k here)."""
+    w = weights(256, 1024)
+    w[:, ::97] *= 20
+    for rotated, base in ((Int4H(128), Int4(128)), (Int3H(128), Int3K(128))):
+        gain = sqnr_db(w, rotated.dequantize(rotated.quantize(w), 1024)) - sqnr_db(w, base.dequantize(base.quantize(w), 1024))
+        assert gain > 4.0, (rotated.name, gain)
+
+
+def test_rotated_formats_refuse_what_they_cannot_be():
+    with pytest.raises(QliteError, match="int3h takes input widths that are multiples of 128; x's is 320"):
+        Int3H(128).check(320, "x")
+    with pytest.raises(QliteError, match="int4h is asymmetric only"):
+        format_for_fields("inth", 4, 128, True)
+    with pytest.raises(QliteError, match="int4h's group size is 16, 32, 64 or 128, not 256"):
+        format_named("int4h-g256")
+    fmt = format_named("int4h-g128")
+    assert not fmt.exports and fmt.input_signs() is not None and format_named("int4-g128").input_signs() is None
+    with pytest.raises(QliteError, match="format int4h-g128: no exact encoding in other engines' formats"):
+        fmt.to_affine(fmt.quantize(weights(4, 128)), 128)

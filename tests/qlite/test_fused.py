@@ -37,6 +37,11 @@ def ckpts(tmp_path_factory):
              ("model.layers.1.self_attn.o_proj", format_named("int4k-g128")))
     qconfig = QuantConfig(format_named("int4-g64"), format_named("int8"), embeddings=None, module_formats=mixed)
     out["mix"] = convert(src, src.parent / "mix", qconfig, progress=False, report=False).out_dir
+    # rotated formats (activations turned in each product): int3h-g128, q_proj and a gate_proj int4h apart
+    turned = (("model.layers.0.self_attn.q_proj", format_named("int4h-g128")),
+              ("model.layers.1.mlp.gate_proj", format_named("int4h-g64")))
+    qconfig = QuantConfig(format_named("int3h-g128"), format_named("int8"), embeddings=None, module_formats=turned)
+    out["rotated"] = convert(src, src.parent / "rotated", qconfig, progress=False, report=False).out_dir
     # mixtures of experts: Qwen3-MoE (per-head q/k norms) in int4, Qwen2-MoE (shared expert, a dense layer) 16-bit and int8
     moe3 = make_checkpoint(tmp_path_factory.mktemp("fused") / "moe3", model_type="qwen3_moe", **MOE["qwen3_moe"])
     out["moe3-int4"] = convert(moe3, moe3.parent / "moe3-int4", bits=4, group_size=64, progress=False,
@@ -67,7 +72,8 @@ def decode_logits(model, prompts, steps=6):
 
 
 @pytest.mark.parametrize("kernel", ["native", "native-a16"])
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128", "mix", "moe3-int4", "moe2-bf16", "moe2-int8"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int4-g128", "mix", "rotated", "moe3-int4", "moe2-bf16",
+                                  "moe2-int8"])
 @pytest.mark.parametrize("prompts", [[list(range(3, 20))], [list(range(3, 20)), [7, 8, 9], list(range(40, 52))]],
                          ids=["one", "padded-batch"])
 def test_the_fused_step_is_the_module_path_bit_for_bit(ckpts, kind, kernel, prompts, monkeypatch):

@@ -351,6 +351,51 @@ def test_a_lowbit_model_runs_on_its_native_products(tmp_path, monkeypatch):
     assert load(out).generate("the quick brown", chat=False, max_new_tokens=6)
 
 
+def test_turned_inputs_are_the_rotation_rounded_to_bf16():
+    """turn.h's fast transform: the torch rotation (formats.turn, a matmul) rounded to bf16, but for the odd last
+    bit; a product turned first is the plain product of the turned rows, bit for bit."""
+    from qlite.formats import Int3H, turn
+    K = 384
+    x = torch.randn(9, K, generator=gen(5)).bfloat16()
+    fmt = Int3H(128)
+    stored = fmt.quantize(torch.randn(64, K, generator=gen(6)) * 0.02)
+    product = native.lowbit_product(stored["qweight"], stored["scales"], stored["row_scales"], 3)
+    assert product.turned(x) is x
+    plain = product(x)
+    product.turn_with(fmt.input_signs())
+    turned = product.turned(x)
+    assert_bf16_close(turned, turn(x.float()).bfloat16())
+    assert torch.equal(product(x), native.lowbit_product(stored["qweight"], stored["scales"], stored["row_scales"], 3)(turned))
+    assert not torch.equal(product(x), plain)
+    with pytest.raises(ValueError, match="K 320 is not a multiple of 128"):
+        native.bf16_product(torch.zeros(8, 320, dtype=torch.bfloat16), None).turn_with(fmt.input_signs())
+
+
+def test_a_rotated_model_runs_on_its_native_products(tmp_path):
+    """int3h-g128 decoder linears with some int4h-g128 (q_proj apart from k/v, one down_proj at g64) run on the
+    native products, which turn the activations first: a few rows and a prefill give the reference kernel's logits
+    (dequantized weights, no turn) up to bf16 rounding and int8 activations, and it generates."""
+    from qlite.formats import format_named
+    from qlite.pipeline import load
+    from qlite.qconfig import QuantConfig
+    from quantize.convert import convert
+    src = make_checkpoint(tmp_path / "src", seed=4, **NATIVE_WIDTHS)
+    mixed = (("model.layers.0.self_attn.q_proj", format_named("int4h-g128")),
+             ("model.layers.1.mlp.down_proj", format_named("int4h-g64")))
+    qconfig = QuantConfig(format_named("int3h-g128"), None, embeddings=None, module_formats=mixed)
+    out = convert(src, tmp_path / "q", qconfig, progress=False, report=False).out_dir
+    ref = load_model(out, kernel="reference")
+    for kernel in ("native", "native-a16"):
+        fast = load_model(out, kernel=kernel)
+        names = {m.kernel.name for m in fast.modules() if isinstance(m, QuantLinear)}
+        assert not names & {"reference", "aten-int4"}, names
+        for length in (5, 40):
+            ids = torch.randint(0, 500, (1, length), generator=gen(length))
+            with torch.no_grad():
+                assert rel_err(fast(ids).float(), ref(ids).float()) < 4e-2
+    assert load(out).generate("the quick brown", chat=False, max_new_tokens=6)
+
+
 def assert_bf16_close(got, want):
     """Equal but for the odd last-bit rounding (the kernels sum in another order)."""
     diff = (got.float() - want.float()).abs()

@@ -39,3 +39,13 @@ def test_an_id_out_of_range_is_an_index_error():
         embedding(torch.tensor([[300]]))
     with pytest.raises(IndexError):
         embedding(torch.tensor([[-1]]))
+
+
+@pytest.mark.parametrize("fmt_name", ["int4h-g128", "int3h-g128"])
+def test_a_rotated_table_looks_up_the_weights_it_stands_for(fmt_name):
+    """A rotated format's rows come back turned back (W R R^T): the table's rows, not the stored basis."""
+    embedding, table = table_of(fmt_name, dim=256)
+    ids = torch.tensor([[0, 299, 5, 5], [17, 1, 2, 298]])
+    torch.testing.assert_close(embedding(ids), table[ids], atol=1e-6, rtol=0)
+    source = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.nn.functional.cosine_similarity(embedding(ids).flatten(), source[ids].flatten(), dim=0) > 0.97

@@ -3,11 +3,11 @@ where a format has no act grid), and beats RTN on correlated inputs."""
 import pytest
 import torch
 
-from qlite.formats import Int2K, Int3K, Int4, Int4K, Int8
+from qlite.formats import Int2K, Int3H, Int3K, Int4, Int4H, Int4K, Int8, turn
 from quantize.act_grid import act_quantize
 from quantize.gptq import Hessian, gptq_linear, hessian_of
 
-FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int3K(32), Int2K(16), Int4(256)]
+FORMATS = [Int4(32), Int4(128, True), Int8(), Int4K(64), Int3K(32), Int2K(16), Int4(256), Int3H(128), Int4H(64)]
 
 
 def dequantized(stored, fmt, n, k):
@@ -67,3 +67,18 @@ def test_hessian_from_its_upper_blocks_is_the_whole_product(monkeypatch):
     h = acc.matrix()
     torch.testing.assert_close(h, x.t() @ x, rtol=1e-5, atol=1e-3)
     assert torch.equal(h, h.t())
+
+
+@pytest.mark.parametrize("rotated, base", [(Int3H(128), Int3K(128)), (Int4H(128), Int4(128))], ids=lambda f: f.name)
+@pytest.mark.parametrize("method", ["gptq", "act-rtn"])
+def test_a_rotated_format_rounds_w_r_against_the_rotated_inputs(rotated, base, method):
+    """GPTQ (act-rtn) of a rotated format is its base format's of W R given the Hessian of the rotated inputs X R
+    (computed here from X R itself): the same codes but where float sums round a tie the other way."""
+    k = 256
+    x = correlated_inputs(2048, k)
+    w = torch.randn(64, k, generator=torch.Generator().manual_seed(3)) * 0.05
+    run = (lambda w, h, f: gptq_linear(w, h, f, act_order=True)) if method == "gptq" else act_quantize
+    got, want = run(w, hessian_of(x), rotated), run(turn(w), hessian_of(turn(x)), base)
+    assert got.keys() == want.keys()
+    for key in got:
+        assert (got[key] != want[key]).float().mean() < 0.01, key

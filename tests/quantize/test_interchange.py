@@ -22,7 +22,7 @@ from qlite.qlinear import QuantLinear
 from quantize import foreign
 from quantize.convert import convert
 from quantize.interchange import export_checkpoint, import_checkpoint
-from tiny_models import hf_model, make_checkpoint
+from tiny_models import NATIVE_WIDTHS, hf_model, make_checkpoint
 
 QDIMS = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
 FORMATS = {  # name: quantize options (a 16-bit table: quantized embeddings have their own test)
@@ -552,3 +552,15 @@ def test_gptq_settings_in_quantize_config_json(gptq_dir, quantized, tmp_path):
     assert not (tmp_path / "q" / "quantize_config.json").exists()
     ours, back = tensors(quantized["int4-g32"]), tensors(tmp_path / "q")
     assert all(torch.equal(back[n], t) for n, t in ours.items() if not n.startswith("lm_head."))
+
+
+def test_a_rotated_checkpoint_is_refused_by_every_export_in_one_line(tmp_path, capsys):
+    """int3h / int4h store W R: no peer format rotates, so no export holds them (nor writes a file)."""
+    src = make_checkpoint(tmp_path / "src", seed=5, **NATIVE_WIDTHS)
+    q = convert(src, tmp_path / "h", scheme="inth", bits=3, progress=False, report=False).out_dir
+    capsys.readouterr()
+    for target in ("gguf", "compressed-tensors", "gptq"):
+        assert main(["export", str(q), "--to", target, "--out", str(tmp_path / f"x.{target}")]) != 0
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("is int3h-g128" in err or "format int3h-g128: no exact encoding" in err), err
+        assert not (tmp_path / f"x.{target}").exists()
