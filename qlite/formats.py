@@ -34,6 +34,7 @@ Adding a format: a subclass with its key, `name`, `parse`, `stored_shapes`, `qua
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -686,32 +687,37 @@ TURN_BLOCK = LOW_BIT_BLOCK  # inputs per Hadamard transform (GroupedBy128 checks
 TURN_SIGNS = 0xdd7a81ed5fad86b437afac294b3c58da  # bit i set: input i of every block flips its sign
 
 
-def turn_signs(device=None) -> torch.Tensor:
-    """The signs D of the rotation, float32 [TURN_BLOCK] of +-1 (the same for every block and tensor)."""
-    return torch.tensor([-1.0 if TURN_SIGNS >> i & 1 else 1.0 for i in range(TURN_BLOCK)], device=device)
+@functools.lru_cache(maxsize=None)
+def turn_signs() -> torch.Tensor:
+    """The signs D of the rotation, float32 [TURN_BLOCK] of +-1 (the same for every block and tensor). Made once
+    (an embedding lookup turns rows back at every step), outside inference mode so any caller may use it; read-only."""
+    with torch.inference_mode(False):
+        return torch.tensor([-1.0 if TURN_SIGNS >> i & 1 else 1.0 for i in range(TURN_BLOCK)])
 
 
+@functools.lru_cache(maxsize=None)
 def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix [n, n] (n a power of 2): symmetric, its own inverse."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
+    """The orthonormal Sylvester Hadamard matrix [n, n] (n a power of 2): symmetric, its own inverse. Made once,
+    as turn_signs; read-only."""
+    with torch.inference_mode(False):
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        return h / n ** 0.5
 
 
 def turn(x: torch.Tensor) -> torch.Tensor:
     """Rows x [..., K] (K a multiple of TURN_BLOCK) times R = D H on each block of TURN_BLOCK inputs, in float32:
     for a weight, W R (what a rotated format rounds); for activations, R^T x as rows (what its kernel reads:
     y = (W R)(R^T x) = W x). D H is (x * D) @ H, and R^T x is H (D x), the same (H is symmetric)."""
-    blocks = (x.float() * turn_signs(x.device).repeat(x.shape[-1] // TURN_BLOCK))
-    blocks = blocks.reshape(*x.shape[:-1], -1, TURN_BLOCK)  # (..., K / TURN_BLOCK, TURN_BLOCK)
-    return (blocks @ hadamard(TURN_BLOCK).to(x.device)).reshape(x.shape)
+    blocks = x.float().reshape(*x.shape[:-1], -1, TURN_BLOCK)  # (..., K / TURN_BLOCK, TURN_BLOCK)
+    return ((blocks * turn_signs().to(x.device)) @ hadamard(TURN_BLOCK).to(x.device)).reshape(x.shape)
 
 
 def unturn(w: torch.Tensor) -> torch.Tensor:
     """turn's inverse on rows: W R R^T = (W R) H D."""
     blocks = w.float().reshape(*w.shape[:-1], -1, TURN_BLOCK) @ hadamard(TURN_BLOCK).to(w.device)
-    return blocks.reshape(w.shape) * turn_signs(w.device).repeat(w.shape[-1] // TURN_BLOCK)
+    return (blocks * turn_signs().to(w.device)).reshape(w.shape)
 
 
 class Rotated(GroupedBy128):
